@@ -1,0 +1,212 @@
+"""Field validators and converters shared by the message classes.
+
+Each helper returns an attrs field whose validator rejects values a peer could forge: bools
+posing as ints, ints outside ``u64``, non-finite timings, oversized strings or blobs. A bad value
+raises :class:`~flodl.errors.MessageValidationError` naming the field.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import attrs
+
+from flodl.errors import MessageValidationError
+
+U64_MAX = (1 << 64) - 1
+MAX_TEXT = 4096
+MAX_BLOB = 1 << 20
+MAX_ITEMS = 1 << 16
+
+E = TypeVar("E", bound=enum.IntEnum)
+
+Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def _fail(attribute: attrs.Attribute[Any], expected: str, value: object) -> MessageValidationError:
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return MessageValidationError(
+        f"field {attribute.name!r}: expected {expected}, got {type(value).__name__} {shown}"
+    )
+
+
+def _check_u64(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is not int or not 0 <= value <= U64_MAX:
+        raise _fail(attribute, "an integer in [0, 2**64)", value)
+
+
+def _check_int(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is not int or not -(1 << 63) <= value < (1 << 63):
+        raise _fail(attribute, "a 64-bit signed integer", value)
+
+
+def _to_float(value: object) -> object:
+    # CBOR peers may send a whole number as an int; bools are never numbers here.
+    if type(value) is int:
+        return float(value)
+    return value
+
+
+def _check_float(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is not float:
+        raise _fail(attribute, "a float", value)
+
+
+def _check_nonneg_float(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is not float or not (value >= 0.0 and math.isfinite(value)):
+        raise _fail(attribute, "a finite float >= 0", value)
+
+
+def _check_opt_float(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and type(value) is not float:
+        raise _fail(attribute, "a float or null", value)
+
+
+def _opt_to_float(value: object) -> object:
+    return None if value is None else _to_float(value)
+
+
+def _check_text(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is not str or len(value) > MAX_TEXT:
+        raise _fail(attribute, f"a string of at most {MAX_TEXT} characters", value)
+
+
+def _check_opt_text(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        _check_text(inst, attribute, value)
+
+
+def _check_blob(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if type(value) is not bytes or len(value) > MAX_BLOB:
+        raise _fail(attribute, f"bytes of at most {MAX_BLOB} bytes", value)
+
+
+def u64(default: int | None = None) -> Any:
+    """A non-negative integer below 2**64 (bools rejected)."""
+    if default is None:
+        return attrs.field(validator=_check_u64)
+    return attrs.field(default=default, validator=_check_u64)
+
+
+def i64() -> Any:
+    """A signed 64-bit integer (bools rejected)."""
+    return attrs.field(validator=_check_int)
+
+
+def f64() -> Any:
+    """Any float, NaN and infinities included (a loss may be NaN); ints are widened."""
+    return attrs.field(converter=_to_float, validator=_check_float)
+
+
+def duration_ms() -> Any:
+    """A finite, non-negative float (a measured time); ints are widened."""
+    return attrs.field(converter=_to_float, validator=_check_nonneg_float)
+
+
+def opt_f64() -> Any:
+    """A float or None, defaulting to None."""
+    return attrs.field(default=None, converter=_opt_to_float, validator=_check_opt_float)
+
+
+def text() -> Any:
+    """A string of bounded length."""
+    return attrs.field(validator=_check_text)
+
+
+def opt_text() -> Any:
+    """A bounded string or None, defaulting to None."""
+    return attrs.field(default=None, validator=_check_opt_text)
+
+
+def blob(default: bytes | None = None) -> Any:
+    """Bytes of bounded length."""
+    if default is None:
+        return attrs.field(validator=_check_blob)
+    return attrs.field(default=default, validator=_check_blob)
+
+
+def int_enum(kind: type[E]) -> Any:
+    """An IntEnum member; on the wire its integer value. Unknown values are rejected."""
+
+    def convert(value: object) -> object:
+        if type(value) is int:
+            try:
+                return kind(value)
+            except ValueError:
+                return value
+        return value
+
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, kind):
+            names = ", ".join(f"{m.name}={m.value}" for m in kind)
+            raise _fail(attribute, f"one of {kind.__name__} ({names})", value)
+
+    return attrs.field(converter=convert, validator=check)
+
+
+def u64_list() -> Any:
+    """A list of u64 values of bounded length, stored as a tuple."""
+
+    def convert(value: object) -> object:
+        return tuple(value) if type(value) is list else value
+
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if type(value) is not tuple or len(value) > MAX_ITEMS:
+            raise _fail(attribute, f"a list of at most {MAX_ITEMS} integers", value)
+        for item in value:
+            if type(item) is not int or not 0 <= item <= U64_MAX:
+                raise _fail(attribute, "a list of integers in [0, 2**64)", value)
+
+    return attrs.field(factory=tuple, converter=convert, validator=check)
+
+
+def f64_list() -> Any:
+    """A list of floats of bounded length, stored as a tuple; ints are widened."""
+
+    def convert(value: object) -> object:
+        if type(value) is list or type(value) is tuple:
+            return tuple(float(v) if type(v) is int else v for v in value)
+        return value
+
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if type(value) is not tuple or len(value) > MAX_ITEMS:
+            raise _fail(attribute, f"a list of at most {MAX_ITEMS} floats", value)
+        for item in value:
+            if type(item) is not float:
+                raise _fail(attribute, "a list of floats", value)
+
+    return attrs.field(factory=tuple, converter=convert, validator=check)
+
+
+def scalar_map() -> Any:
+    """A bounded mapping of metric name to float; stored as a sorted tuple of pairs."""
+
+    def convert(value: object) -> object:
+        if isinstance(value, dict):
+            items = []
+            for key, val in value.items():
+                items.append((key, float(val) if type(val) is int else val))
+            return tuple(sorted(items, key=lambda kv: str(kv[0])))
+        return value
+
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if type(value) is not tuple or len(value) > 1024:
+            raise _fail(attribute, "a map of at most 1024 name -> float entries", value)
+        for pair in value:
+            if (
+                type(pair) is not tuple
+                or len(pair) != 2
+                or type(pair[0]) is not str
+                or len(pair[0]) > 256
+                or type(pair[1]) is not float
+            ):
+                raise _fail(attribute, "a map of name (str) -> float", value)
+
+    return attrs.field(
+        factory=tuple, converter=convert, validator=check, metadata={"wire_map": True}
+    )

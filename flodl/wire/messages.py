@@ -1,0 +1,390 @@
+"""The control-message catalogue: frozen attrs classes, each with a stable integer tag.
+
+Tags never change once released; new messages get new tags. Tags 1-63 travel from the
+coordinator to a rank, 64-127 from a rank to the coordinator (see :data:`TO_RANK` and
+:data:`TO_COORDINATOR`), so a frame going the wrong way is rejected as unknown.
+
+On the wire a message is its tag (in the frame header) and a CBOR map of its fields
+(:func:`to_payload` / :func:`from_payload`). Constructing a message validates every field, so a
+decoded message is as trustworthy as one built locally.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, ClassVar
+
+import attrs
+
+from flodl.errors import MessageValidationError, UnknownMessage
+from flodl.wire.fields import (
+    blob,
+    duration_ms,
+    f64,
+    f64_list,
+    int_enum,
+    opt_f64,
+    opt_text,
+    scalar_map,
+    text,
+    u64,
+    u64_list,
+)
+
+
+class SaveReason(enum.IntEnum):
+    """Why the coordinator asked the ranks to save and stop (values as in floDl, plus Checkpoint)."""
+
+    GRACEFUL = 0
+    MAX_FAILURE = 1
+    SINGLE_SURVIVOR = 2
+    ALL_RANKS_LOST = 3
+    REDUCE_STALL = 4
+    CHECKPOINT = 5
+
+
+class IntentKind(enum.IntEnum):
+    """What a rank asks the coordinator to arrange at the next averaging round."""
+
+    EVAL_NOW = 0
+    CHECKPOINT_NOW = 1
+
+
+@attrs.frozen
+class Message:
+    """Base of all control messages. ``TAG`` is the stable wire tag of the concrete class."""
+
+    TAG: ClassVar[int] = 0
+
+
+# --- coordinator -> rank (tags 1..63) -------------------------------------------------------
+
+
+@attrs.frozen
+class SyncNow(Message):
+    """Average parameters now. ``round`` numbers averaging rounds; ``generation`` is the group."""
+
+    TAG: ClassVar[int] = 1
+    round: int = u64()
+    generation: int = u64()
+
+
+@attrs.frozen
+class SetGlobalStep(Message):
+    """Re-base the rank's global step (learning-rate schedules read it)."""
+
+    TAG: ClassVar[int] = 2
+    global_step: int = u64()
+
+
+@attrs.frozen
+class StartEpoch(Message):
+    """Train on ``[partition_offset, partition_offset + partition_size)`` of the epoch's order."""
+
+    TAG: ClassVar[int] = 3
+    epoch: int = u64()
+    partition_offset: int = u64()
+    partition_size: int = u64()
+
+
+@attrs.frozen
+class ExtendPartition(Message):
+    """Also train on ``[offset, offset + size)`` of the epoch's order (a dead rank's remainder)."""
+
+    TAG: ClassVar[int] = 4
+    epoch: int = u64()
+    offset: int = u64()
+    size: int = u64()
+
+
+@attrs.frozen
+class DeclareDead(Message):
+    """Rank ``rank`` is dead: abandon any collective that includes it."""
+
+    TAG: ClassVar[int] = 5
+    rank: int = u64()
+
+
+@attrs.frozen
+class RequestNewGroup(Message):
+    """You generate what the backend needs for group ``generation`` and reply NewGroupReady."""
+
+    TAG: ClassVar[int] = 6
+    generation: int = u64()
+    world_size: int = u64()
+
+
+@attrs.frozen
+class NewGroupSession(Message):
+    """Join group ``generation`` as ``new_rank`` of ``new_world_size``; ``info`` is backend data."""
+
+    TAG: ClassVar[int] = 7
+    generation: int = u64()
+    new_rank: int = u64()
+    new_world_size: int = u64()
+    info: bytes = blob()
+
+
+@attrs.frozen
+class Throttle(Message):
+    """Pause after the current batch until SyncNow, SetGlobalStep or Shutdown arrives."""
+
+    TAG: ClassVar[int] = 8
+
+
+@attrs.frozen
+class Checkpoint(Message):
+    """Rank ``target_rank`` writes checkpoint ``version`` and answers CheckpointResult."""
+
+    TAG: ClassVar[int] = 9
+    version: int = u64()
+    target_rank: int = u64()
+
+
+@attrs.frozen
+class SaveConsensusModel(Message):
+    """Rank ``target_rank`` saves the freshly averaged (consensus) parameters."""
+
+    TAG: ClassVar[int] = 10
+    target_rank: int = u64()
+
+
+@attrs.frozen
+class Shutdown(Message):
+    """Stop training and exit cleanly; no save is asked for."""
+
+    TAG: ClassVar[int] = 11
+
+
+@attrs.frozen
+class ShutdownWithSave(Message):
+    """Save a checkpoint, then exit; ``reason`` says why the run cannot go on."""
+
+    TAG: ClassVar[int] = 12
+    reason: SaveReason = int_enum(SaveReason)
+
+
+@attrs.frozen
+class CoordHeartbeat(Message):
+    """The coordinator is alive (sent every heartbeat interval)."""
+
+    TAG: ClassVar[int] = 13
+
+
+@attrs.frozen
+class EpochAggregated(Message):
+    """Epoch ``epoch`` finished on every live rank: aggregated metrics."""
+
+    TAG: ClassVar[int] = 14
+    epoch: int = u64()
+    avg_loss: float = f64()
+    samples: int = u64()
+    epoch_ms: float = duration_ms()
+    rank_throughput: tuple[float, ...] = f64_list()
+    scalars: tuple[tuple[str, float], ...] = scalar_map()
+
+
+# --- rank -> coordinator (tags 64..127) -----------------------------------------------------
+
+
+@attrs.frozen
+class Batch(Message):
+    """One training step finished on ``rank``."""
+
+    TAG: ClassVar[int] = 64
+    rank: int = u64()
+    batch_ms: float = duration_ms()
+    data_ms: float = duration_ms()
+    step_count: int = u64()
+    batch_loss: float = f64()
+    param_norm: float | None = opt_f64()
+    sync_divergence: float | None = opt_f64()
+
+
+@attrs.frozen
+class SyncAck(Message):
+    """``rank`` finished averaging round ``round``; divergence and norms of its parameters."""
+
+    TAG: ClassVar[int] = 65
+    rank: int = u64()
+    round: int = u64()
+    step_count: int = u64()
+    divergence: float | None = opt_f64()
+    post_norm: float | None = opt_f64()
+    pre_norm: float | None = opt_f64()
+
+
+@attrs.frozen
+class Heartbeat(Message):
+    """``rank`` is alive; ``step_count`` is its step counter since the last average."""
+
+    TAG: ClassVar[int] = 66
+    rank: int = u64()
+    step_count: int = u64()
+
+
+@attrs.frozen
+class Exiting(Message):
+    """``rank`` is leaving on purpose; do not wait for its heartbeat to lapse."""
+
+    TAG: ClassVar[int] = 67
+    rank: int = u64()
+
+
+@attrs.frozen
+class NewGroupReady(Message):
+    """The generator for ``generation`` is ready; ``info`` is what the backend needs."""
+
+    TAG: ClassVar[int] = 68
+    rank: int = u64()
+    generation: int = u64()
+    info: bytes = blob()
+
+
+@attrs.frozen
+class LrUpdate(Message):
+    """``rank``'s optimiser now uses learning rate ``lr``."""
+
+    TAG: ClassVar[int] = 69
+    rank: int = u64()
+    lr: float = f64()
+
+
+@attrs.frozen
+class Intent(Message):
+    """``rank`` asks for an evaluation or a checkpoint at the next averaging round."""
+
+    TAG: ClassVar[int] = 70
+    rank: int = u64()
+    kind: IntentKind = int_enum(IntentKind)
+
+
+@attrs.frozen
+class CheckpointResult(Message):
+    """``rank`` wrote (or failed to write) checkpoint ``version``."""
+
+    TAG: ClassVar[int] = 71
+    rank: int = u64()
+    version: int = u64()
+    elapsed_ms: float = duration_ms()
+    error: str | None = opt_text()
+
+
+@attrs.frozen
+class Metrics(Message):
+    """``rank``'s share of epoch ``epoch``: loss, work done and named scalars."""
+
+    TAG: ClassVar[int] = 72
+    rank: int = u64()
+    epoch: int = u64()
+    avg_loss: float = f64()
+    batches_processed: int = u64()
+    samples_processed: int = u64()
+    epoch_ms: float = duration_ms()
+    scalars: tuple[tuple[str, float], ...] = scalar_map()
+
+
+@attrs.frozen
+class Note(Message):
+    """A short free-text note from ``rank`` (e.g. why it is about to exit) for the timeline."""
+
+    TAG: ClassVar[int] = 73
+    rank: int = u64()
+    detail: str = text()
+
+
+TO_RANK: tuple[type[Message], ...] = (
+    SyncNow,
+    SetGlobalStep,
+    StartEpoch,
+    ExtendPartition,
+    DeclareDead,
+    RequestNewGroup,
+    NewGroupSession,
+    Throttle,
+    Checkpoint,
+    SaveConsensusModel,
+    Shutdown,
+    ShutdownWithSave,
+    CoordHeartbeat,
+    EpochAggregated,
+)
+"""Messages the coordinator sends to ranks."""
+
+TO_COORDINATOR: tuple[type[Message], ...] = (
+    Batch,
+    SyncAck,
+    Heartbeat,
+    Exiting,
+    NewGroupReady,
+    LrUpdate,
+    Intent,
+    CheckpointResult,
+    Metrics,
+    Note,
+)
+"""Messages ranks send to the coordinator."""
+
+ALL_MESSAGES: tuple[type[Message], ...] = TO_RANK + TO_COORDINATOR
+
+BY_TAG: dict[int, type[Message]] = {cls.TAG: cls for cls in ALL_MESSAGES}
+assert len(BY_TAG) == len(ALL_MESSAGES), "duplicate message tag"
+
+_FIELD_NAMES: dict[type[Message], tuple[str, ...]] = {
+    cls: tuple(f.name for f in attrs.fields(cls)) for cls in ALL_MESSAGES
+}
+_MAP_FIELDS: dict[type[Message], frozenset[str]] = {
+    cls: frozenset(f.name for f in attrs.fields(cls) if f.metadata.get("wire_map"))
+    for cls in ALL_MESSAGES
+}
+_REQUIRED: dict[type[Message], frozenset[str]] = {
+    cls: frozenset(f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING)
+    for cls in ALL_MESSAGES
+}
+
+
+def to_payload(message: Message) -> dict[str, Any]:
+    """The CBOR-ready map of a message's fields (enums as ints, maps as dicts)."""
+    cls = type(message)
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        raise UnknownMessage(f"{cls.__name__} is not a registered flodl message")
+    payload = {name: getattr(message, name) for name in names}
+    for name in _MAP_FIELDS[cls]:
+        payload[name] = dict(payload[name])
+    return payload
+
+
+def from_payload(tag: int, payload: object, allowed: frozenset[int] | None = None) -> Message:
+    """Build the message for ``tag`` from a decoded payload, validating every field.
+
+    Raises :class:`UnknownMessage` for a tag that is unknown (or not in ``allowed``) and
+    :class:`MessageValidationError` for a payload that is not a map, has missing or extra
+    fields, or holds a value of the wrong type or range.
+    """
+    cls = BY_TAG.get(tag)
+    if cls is None or (allowed is not None and tag not in allowed):
+        raise UnknownMessage(f"unknown message tag {tag}")
+    if type(payload) is not dict:
+        raise MessageValidationError(
+            f"{cls.__name__}: payload must be a map, got {type(payload).__name__}"
+        )
+    names = _FIELD_NAMES[cls]
+    if len(payload) > len(names) or not _REQUIRED[cls] <= payload.keys():
+        keys = set(payload.keys())
+        missing = sorted(_REQUIRED[cls] - keys)
+        extra = sorted(str(k) for k in keys - set(names))
+        raise MessageValidationError(f"{cls.__name__}: missing fields {missing}, extra {extra}")
+    for key in payload:
+        if key not in names:
+            raise MessageValidationError(f"{cls.__name__}: unexpected field {key!r}")
+    try:
+        return cls(**payload)
+    except MessageValidationError as err:
+        raise MessageValidationError(f"{cls.__name__}: {err}") from None
+    except (TypeError, ValueError) as err:  # a converter choked on a forged value
+        raise MessageValidationError(f"{cls.__name__}: {err}") from None
+
+
+TO_RANK_TAGS: frozenset[int] = frozenset(cls.TAG for cls in TO_RANK)
+TO_COORDINATOR_TAGS: frozenset[int] = frozenset(cls.TAG for cls in TO_COORDINATOR)
