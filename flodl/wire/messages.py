@@ -28,12 +28,11 @@ from flodl.wire.fields import (
     scalar_map,
     text,
     u64,
-    u64_list,
 )
 
 
 class SaveReason(enum.IntEnum):
-    """Why the coordinator asked the ranks to save and stop (values as in floDl, plus Checkpoint)."""
+    """Why the coordinator asked the ranks to save and stop (floDl values, plus Checkpoint)."""
 
     GRACEFUL = 0
     MAX_FAILURE = 1
