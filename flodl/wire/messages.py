@@ -12,6 +12,7 @@ decoded message is as trustworthy as one built locally.
 from __future__ import annotations
 
 import enum
+import operator
 from typing import Any, ClassVar
 
 import attrs
@@ -332,6 +333,10 @@ assert len(BY_TAG) == len(ALL_MESSAGES), "duplicate message tag"
 _FIELD_NAMES: dict[type[Message], tuple[str, ...]] = {
     cls: tuple(f.name for f in attrs.fields(cls)) for cls in ALL_MESSAGES
 }
+_GETTERS: dict[type[Message], Any] = {
+    cls: operator.attrgetter(*names) for cls, names in _FIELD_NAMES.items() if names
+}
+_GETTERS.update({cls: lambda _m: () for cls, names in _FIELD_NAMES.items() if not names})
 _MAP_FIELDS: dict[type[Message], frozenset[str]] = {
     cls: frozenset(f.name for f in attrs.fields(cls) if f.metadata.get("wire_map"))
     for cls in ALL_MESSAGES
@@ -345,10 +350,14 @@ _REQUIRED: dict[type[Message], frozenset[str]] = {
 def to_payload(message: Message) -> dict[str, Any]:
     """The CBOR-ready map of a message's fields (enums as ints, maps as dicts)."""
     cls = type(message)
-    names = _FIELD_NAMES.get(cls)
-    if names is None:
+    getter = _GETTERS.get(cls)
+    if getter is None:
         raise UnknownMessage(f"{cls.__name__} is not a registered flodl message")
-    payload = {name: getattr(message, name) for name in names}
+    names = _FIELD_NAMES[cls]
+    if len(names) == 1:
+        payload = {names[0]: getter(message)}
+    else:
+        payload = dict(zip(names, getter(message), strict=True))
     for name in _MAP_FIELDS[cls]:
         payload[name] = dict(payload[name])
     return payload
@@ -368,20 +377,20 @@ def from_payload(tag: int, payload: object, allowed: frozenset[int] | None = Non
         raise MessageValidationError(
             f"{cls.__name__}: payload must be a map, got {type(payload).__name__}"
         )
-    names = _FIELD_NAMES[cls]
-    if len(payload) > len(names) or not _REQUIRED[cls] <= payload.keys():
-        keys = set(payload.keys())
-        missing = sorted(_REQUIRED[cls] - keys)
-        extra = sorted(str(k) for k in keys - set(names))
-        raise MessageValidationError(f"{cls.__name__}: missing fields {missing}, extra {extra}")
-    for key in payload:
-        if key not in names:
-            raise MessageValidationError(f"{cls.__name__}: unexpected field {key!r}")
     try:
         return cls(**payload)
     except MessageValidationError as err:
         raise MessageValidationError(f"{cls.__name__}: {err}") from None
-    except (TypeError, ValueError) as err:  # a converter choked on a forged value
+    except TypeError:
+        # Missing, unexpected or non-string keys: explain precisely (off the hot path).
+        names = _FIELD_NAMES[cls]
+        keys = set(payload.keys())
+        missing = sorted(_REQUIRED[cls] - keys)
+        extra = sorted(repr(k) for k in keys - set(names))
+        raise MessageValidationError(
+            f"{cls.__name__}: missing fields {missing}, unexpected fields {extra}"
+        ) from None
+    except ValueError as err:  # a converter of an enum or list choked on a forged value
         raise MessageValidationError(f"{cls.__name__}: {err}") from None
 
 

@@ -1,0 +1,248 @@
+"""Sans-IO framing: authenticated, sequenced, size-capped frames around CBOR payloads.
+
+Frame layout (little-endian)::
+
+    magic   u32   0xF10D5F01
+    version u16   PROTOCOL_VERSION
+    tag     u16   message tag (flodl.wire.messages)
+    length  u32   payload length in bytes (checked against the limit before anything is read)
+    seq     u64   per-direction sequence number, 0, 1, 2, ...
+    mac     32 B  HMAC-SHA256 under the direction key over the 20 header bytes and the payload
+    payload       CBOR map of the message's fields
+
+The MAC covers the sequence number, so a replayed, reordered or dropped frame is detected
+(:class:`~flodl.errors.SequenceError`), and a frame from one direction or one session cannot be
+spliced into another (each direction of each session has its own key, see
+:mod:`flodl.wire.handshake`). Nothing here does I/O: :class:`FrameEncoder` returns bytes and
+:class:`FrameDecoder` is fed bytes and yields messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import cbor2
+
+from flodl.errors import (
+    AuthenticationError,
+    BrokenChannel,
+    FrameTooLarge,
+    ProtocolError,
+    SequenceError,
+    TruncatedFrame,
+    VersionMismatch,
+)
+from flodl.wire.messages import Message, from_payload, to_payload
+
+FRAME_MAGIC = 0xF10D5F01
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_PAYLOAD = 16 * 1024 * 1024
+MAX_CBOR_DEPTH = 8
+"""Messages nest at most two levels (a map holding a map); 8 leaves room and stops bombs."""
+
+_HEADER = struct.Struct("<IHHIQ")
+HEADER_SIZE = _HEADER.size
+MAC_SIZE = 32
+PREFIX_SIZE = HEADER_SIZE + MAC_SIZE
+MIN_KEY_BYTES = 16
+
+
+def _reject_tag(*_args: object) -> Any:
+    raise ValueError("CBOR tags are not allowed in flodl payloads")
+
+
+# Every CBOR tag is refused: flodl payloads never use them, and cbor2's built-in ones build
+# rich objects (regexes, MIME messages, shared references). Unknown tags reach the tag hook;
+# the built-in range is overridden explicitly.
+_NO_SEMANTIC_TAGS: dict[int, Any] = {t: _reject_tag for t in (*range(0, 1100), 55799)}
+
+
+class _Mac:
+    """HMAC-SHA256 with the key schedule done once (the inner and outer pads are pre-hashed)."""
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < MIN_KEY_BYTES:
+            raise ValueError(f"frame key must be at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+        if len(key) > 64:
+            key = hashlib.sha256(key).digest()
+        key = key.ljust(64, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key)).copy
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key)).copy
+
+    def digest(self, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+        inner = self._inner()
+        inner.update(header)
+        inner.update(payload)
+        outer = self._outer()
+        outer.update(inner.digest())
+        return outer.digest()
+
+
+def encode_frame(message: Message, *, key: bytes, seq: int) -> bytes:
+    """One complete frame for ``message`` with sequence number ``seq`` under ``key``."""
+    return FrameEncoder(key, first_seq=seq).encode(message)
+
+
+class FrameEncoder:
+    """Turns messages into frames for one direction, numbering them 0, 1, 2, ..."""
+
+    __slots__ = ("_mac", "_max_payload", "_seq")
+
+    def __init__(
+        self, key: bytes, *, first_seq: int = 0, max_payload: int = DEFAULT_MAX_PAYLOAD
+    ) -> None:
+        self._mac = _Mac(key)
+        self._seq = first_seq
+        self._max_payload = max_payload
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next frame will carry."""
+        return self._seq
+
+    def encode(self, message: Message) -> bytes:
+        """Encode ``message``; raises FrameTooLarge (and consumes no sequence number) if too big."""
+        payload = cbor2.dumps(to_payload(message))
+        if len(payload) > self._max_payload:
+            raise FrameTooLarge(
+                f"{type(message).__name__} payload is {len(payload)} bytes, "
+                f"above the limit of {self._max_payload}"
+            )
+        header = _HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, message.TAG, len(payload), self._seq)
+        self._seq += 1
+        return header + self._mac.digest(header, payload) + payload
+
+
+class FrameDecoder:
+    """Feed it bytes; pull authenticated, in-order, validated messages out.
+
+    Guarantees: a payload length above ``max_payload`` raises :class:`FrameTooLarge` as soon as
+    the header is complete, before any payload is buffered beyond what was fed; the MAC is
+    verified before the payload is parsed; after any error the decoder is poisoned and every
+    later call raises :class:`BrokenChannel` (a stream that lied once is never trusted again).
+    """
+
+    __slots__ = ("_allowed", "_buffer", "_error", "_mac", "_max_payload", "_seq")
+
+    def __init__(
+        self,
+        key: bytes,
+        *,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        allowed_tags: frozenset[int] | None = None,
+        first_seq: int = 0,
+    ) -> None:
+        self._mac = _Mac(key)
+        self._max_payload = max_payload
+        self._allowed = allowed_tags
+        self._seq = first_seq
+        self._buffer = bytearray()
+        self._error: Exception | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes fed but not yet consumed by a complete frame."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Append bytes received from the peer."""
+        if self._error is not None:
+            self._check_usable()
+        self._buffer += data
+
+    def next_message(self) -> Message | None:
+        """The next complete message, or None if more bytes are needed."""
+        if self._error is not None:
+            self._check_usable()
+        try:
+            return self._next()
+        except Exception as err:
+            self._error = err
+            raise
+
+    def __iter__(self) -> Iterator[Message]:
+        """Every message that is complete in the bytes fed so far."""
+        while (message := self.next_message()) is not None:
+            yield message
+
+    def end_of_stream(self) -> None:
+        """Say the peer closed its side; raises TruncatedFrame if a frame was cut short."""
+        self._check_usable()
+        if self._buffer:
+            err = TruncatedFrame(
+                f"stream ended inside a frame ({len(self._buffer)} bytes of an incomplete frame)"
+            )
+            self._error = err
+            raise err
+
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise BrokenChannel(f"channel unusable after an earlier error: {self._error}")
+
+    def _next(self) -> Message | None:
+        buffer = self._buffer
+        if len(buffer) < HEADER_SIZE:
+            return None
+        magic, version, tag, length, seq = _HEADER.unpack_from(buffer)
+        if magic != FRAME_MAGIC:
+            raise ProtocolError(f"bad frame magic 0x{magic:08X} (expected 0x{FRAME_MAGIC:08X})")
+        if version != PROTOCOL_VERSION:
+            raise VersionMismatch(
+                f"peer speaks wire protocol version {version}, this side {PROTOCOL_VERSION}"
+            )
+        if length > self._max_payload:
+            raise FrameTooLarge(
+                f"frame announces a {length}-byte payload, above the limit of {self._max_payload}"
+            )
+        end = PREFIX_SIZE + length
+        if len(buffer) < end:
+            return None
+        if len(buffer) == end:
+            frame = bytes(buffer)
+            buffer.clear()
+        else:
+            frame = bytes(buffer[:end])
+            del buffer[:end]
+        view = memoryview(frame)
+        payload = view[PREFIX_SIZE:]
+        if not hmac.compare_digest(
+            self._mac.digest(view[:HEADER_SIZE], payload), view[HEADER_SIZE:PREFIX_SIZE]
+        ):
+            raise AuthenticationError(
+                f"frame {seq} (tag {tag}, {length} bytes) failed authentication: "
+                "forged, corrupted, or sent under another key"
+            )
+        if seq != self._seq:
+            what = "replayed or reordered" if seq < self._seq else "out of order (frames lost)"
+            raise SequenceError(f"frame {what}: sequence {seq}, expected {self._seq}")
+        self._seq += 1
+        return from_payload(tag, decode_payload(payload), self._allowed)
+
+
+def decode_payload(payload: bytes | memoryview) -> object:
+    """Decode exactly one CBOR item: every tag refused, nesting capped, no trailing bytes."""
+    stream = io.BytesIO(payload)
+    try:
+        value = cbor2.CBORDecoder(
+            stream,
+            tag_hook=_reject_tag,
+            semantic_decoders=_NO_SEMANTIC_TAGS,
+            max_depth=MAX_CBOR_DEPTH,
+            allow_indefinite=False,
+            allow_duplicate_keys=False,
+            strict_hashable_types=True,
+        ).decode()
+    except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError, RecursionError) as err:
+        raise ProtocolError(f"payload is not valid flodl CBOR: {err}") from None
+    if stream.tell() != len(payload):
+        raise ProtocolError(
+            f"payload has {len(payload) - stream.tell()} trailing bytes after its CBOR item"
+        )
+    return value
