@@ -293,6 +293,20 @@ class Note(Message):
     detail: str = text()
 
 
+@attrs.frozen
+class Ready(Message):
+    """``rank`` is set up and describes its job: samples per epoch, batch size, epochs.
+
+    Sent once, right after the handshake; every rank of a run must describe the same job.
+    """
+
+    TAG: ClassVar[int] = 74
+    rank: int = u64()
+    dataset_size: int = u64()
+    batch_size: int = u64()
+    epochs: int = u64()
+
+
 TO_RANK: tuple[type[Message], ...] = (
     SyncNow,
     SetGlobalStep,
@@ -322,6 +336,7 @@ TO_COORDINATOR: tuple[type[Message], ...] = (
     CheckpointResult,
     Metrics,
     Note,
+    Ready,
 )
 """Messages ranks send to the coordinator."""
 
