@@ -1,0 +1,371 @@
+"""In-process byte streams with a fault plan: the medium of the ``memory://`` transport.
+
+A connection is two one-way pipes. A pipe is a FIFO of chunks, each stamped with the trio
+time at which it may be delivered; the reader waits for the head chunk's time. No task runs
+per connection or per byte, so a simulation can hold thousands of connections.
+
+Fault semantics (a :class:`FaultPlan` is read from the shared :class:`Link` at each use, so a
+new plan applies at once to every existing connection of that link):
+
+- ``latency``: a chunk sent at time ``t`` becomes receivable at ``t + latency`` (the latency
+  in force when it was sent), and never before the chunks sent ahead of it. ``send_eof`` and
+  ``aclose`` markers travel the same way. Connecting adds no latency.
+- ``cut_after_bytes=N``: each direction of each connection carries at most N bytes in total
+  (counted from the connection's start). The ``send_all`` that would exceed N queues the bytes
+  up to N, breaks the connection and raises ``trio.BrokenResourceError``. After a break, each
+  end first receives what was queued to it before the break, then ``BrokenResourceError``;
+  every later ``send_all`` raises ``BrokenResourceError``, like a reset TCP connection.
+- ``partitioned=True``: bytes stop flowing in both directions. Nothing is lost or raised:
+  sends keep queueing (``send_all`` blocks only when the buffer is full, as always),
+  receivers wait; when the plan turns ``partitioned`` off, the held bytes are delivered in
+  order (at once if their latency has elapsed). New connections wait for the partition to
+  heal (bound them with a cancel scope).
+
+Buffering: ``send_all`` queues all its bytes, then waits until the unread bytes of its
+direction are at most ``capacity``. ``capacity=0`` makes a lockstep stream: ``send_all``
+returns once the reader has taken everything.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import math
+import operator
+
+import attrs
+import trio
+
+from flodl.errors import ConfigError
+
+DEFAULT_CAPACITY = 65536
+
+
+def _non_negative_finite(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"FaultPlan.{attribute.name} must be a finite number >= 0, got {value!r}")
+
+
+def _optional_byte_count(
+    instance: object, attribute: attrs.Attribute[int | None], value: int | None
+) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ConfigError(f"FaultPlan.{attribute.name} must be None or an int >= 0, got {value!r}")
+
+
+@attrs.frozen
+class FaultPlan:
+    """How a memory link misbehaves: added latency, a byte budget, a partition.
+
+    See the module docstring for the exact semantics. The default plan is a perfect link.
+    """
+
+    latency: float = attrs.field(default=0.0, validator=_non_negative_finite)
+    cut_after_bytes: int | None = attrs.field(default=None, validator=_optional_byte_count)
+    partitioned: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+
+class Link:
+    """The fault plan shared by a group of connections (those made through one listener name).
+
+    :meth:`set_plan` applies at once to every connection of the link, existing and future.
+    """
+
+    __slots__ = ("_healed", "_held", "_plan")
+
+    def __init__(self, plan: FaultPlan | None = None) -> None:
+        self._plan = plan if plan is not None else FaultPlan()
+        self._held: set[_Pipe] = set()  # pipes whose reader waits for a partition to heal
+        self._healed = trio.lowlevel.ParkingLot()
+
+    @property
+    def plan(self) -> FaultPlan:
+        return self._plan
+
+    def set_plan(self, plan: FaultPlan) -> None:
+        """Replace the plan now; readers held by a partition re-check it (no checkpoint)."""
+        self._plan = plan
+        for pipe in list(self._held):
+            pipe.readable.unpark_all()
+        self._healed.unpark_all()
+
+    def hold(self, pipe: _Pipe) -> None:
+        """Register a reader that waits for the partition to heal."""
+        self._held.add(pipe)
+
+    def release(self, pipe: _Pipe) -> None:
+        self._held.discard(pipe)
+
+    async def wait_until_flowing(self) -> None:
+        """Return once the link is not partitioned. Always a checkpoint."""
+        if not self._plan.partitioned:
+            await trio.lowlevel.checkpoint()
+        while self._plan.partitioned:
+            await self._healed.park()
+
+
+class _Marker(enum.Enum):
+    EOF = "eof"
+    RESET = "reset"
+
+
+_Chunk = tuple[float, memoryview | _Marker]
+
+
+class _Guard:
+    """Raises BusyResourceError when two tasks use one side of a stream at once."""
+
+    __slots__ = ("_busy", "_message")
+
+    def __init__(self, message: str) -> None:
+        self._busy = False
+        self._message = message
+
+    def __enter__(self) -> None:
+        if self._busy:
+            raise trio.BusyResourceError(self._message)
+        self._busy = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._busy = False
+
+
+class _Pipe:
+    """One direction of a connection: chunks queued by the writer end for the reader end."""
+
+    __slots__ = (
+        "broken",
+        "buffered",
+        "capacity",
+        "chunks",
+        "link",
+        "readable",
+        "reader_closed",
+        "readers_waiting",
+        "reverse",
+        "sent",
+        "writable",
+        "writer_done",
+    )
+
+    def __init__(self, link: Link, capacity: int) -> None:
+        self.link = link
+        self.capacity = capacity
+        self.chunks: collections.deque[_Chunk] = collections.deque()
+        self.buffered = 0  # unread data bytes in chunks
+        self.sent = 0  # data bytes ever queued, for cut_after_bytes
+        self.writer_done = False  # send_eof or aclose on the writer end
+        self.reader_closed = False  # aclose on the reader end
+        self.broken = False  # cut: a RESET marker was queued (or the reader had closed)
+        self.readers_waiting = 0
+        self.readable = trio.lowlevel.ParkingLot()  # the reader parks here
+        self.writable = trio.lowlevel.ParkingLot()  # the writer parks here
+        self.reverse: _Pipe = self
+
+    def _push(self, item: memoryview | _Marker) -> None:
+        self.chunks.append((trio.current_time() + self.link.plan.latency, item))
+        self.readable.unpark_all()
+
+    def check_writable(self) -> None:
+        if self.writer_done:
+            raise trio.ClosedResourceError("this memory stream is closed for sending")
+        if self._is_reset() or self.reader_closed:
+            raise trio.BrokenResourceError("the memory connection is broken or the peer closed it")
+
+    def _is_reset(self) -> bool:
+        return self.broken or self.reverse.broken
+
+    def write(self, data: bytes) -> None:
+        """Queue ``data`` (non-empty) now, applying cut_after_bytes."""
+        budget = self.link.plan.cut_after_bytes
+        if budget is not None and self.sent + len(data) > budget:
+            allowed = max(budget - self.sent, 0)
+            if allowed:
+                self._queue_data(data[:allowed])
+            self.reset()
+            self.reverse.reset()
+            raise trio.BrokenResourceError(
+                f"memory connection cut after {budget} bytes by its fault plan"
+            )
+        self._queue_data(data)
+
+    def _queue_data(self, data: bytes) -> None:
+        self.sent += len(data)
+        self.buffered += len(data)
+        self._push(memoryview(data))
+
+    def write_eof(self) -> None:
+        if not self.writer_done:
+            self.writer_done = True
+            if not self.reader_closed and not self._is_reset():
+                self._push(_Marker.EOF)
+        self.writable.unpark_all()
+
+    def reset(self) -> None:
+        if not self.broken and not self.reader_closed:
+            self._push(_Marker.RESET)
+        self.broken = True
+        self.writable.unpark_all()
+
+    def close_reader(self) -> None:
+        self.reader_closed = True
+        self.chunks.clear()
+        self.buffered = 0
+        self.readable.unpark_all()
+        self.writable.unpark_all()
+
+    def has_room(self) -> bool:
+        return self.buffered <= self.capacity
+
+    def might_accept(self) -> bool:
+        return self.buffered < self.capacity or self.readers_waiting > 0
+
+    async def send_all(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self.check_writable()
+        if data:
+            self.write(data)
+        if self.has_room():
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        while not self.has_room():
+            await self.writable.park()
+            self.check_writable()
+
+    async def wait_writable(self) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self.writer_done:
+            raise trio.ClosedResourceError("this memory stream is closed for sending")
+        if self.might_accept() or self._is_reset() or self.reader_closed:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        while True:
+            await self.writable.park()
+            if self.writer_done:
+                raise trio.ClosedResourceError("this memory stream is closed for sending")
+            if self.might_accept() or self._is_reset() or self.reader_closed:
+                return
+
+    async def receive(self, max_bytes: int | None) -> bytes:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        blocked = False
+        while True:
+            if self.reader_closed:
+                raise trio.ClosedResourceError("this memory stream is closed")
+            plan = self.link.plan
+            if plan.partitioned:
+                await self._park_held()
+                blocked = True
+                continue
+            if self.chunks:
+                deliver_at, item = self.chunks[0]
+                if deliver_at <= trio.current_time():
+                    if item is _Marker.RESET:
+                        raise trio.BrokenResourceError("the memory connection was cut")
+                    data = b"" if item is _Marker.EOF else self._take(max_bytes)
+                    if not blocked:
+                        await trio.lowlevel.cancel_shielded_checkpoint()
+                    return data
+                with trio.move_on_at(deliver_at):
+                    await self._park_waiting()
+            else:
+                await self._park_waiting()
+            blocked = True
+
+    async def _park_waiting(self) -> None:
+        self.readers_waiting += 1
+        self.writable.unpark_all()  # a lockstep writer may now go ahead
+        try:
+            await self.readable.park()
+        finally:
+            self.readers_waiting -= 1
+
+    async def _park_held(self) -> None:
+        self.link.hold(self)
+        try:
+            await self.readable.park()
+        finally:
+            self.link.release(self)
+
+    def _take(self, max_bytes: int | None) -> bytes:
+        """Pop ready data from the head, up to max_bytes; stop at markers and future chunks."""
+        now = trio.current_time()
+        limit = math.inf if max_bytes is None else max_bytes
+        parts: list[memoryview] = []
+        taken = 0
+        while self.chunks and taken < limit:
+            deliver_at, item = self.chunks[0]
+            if deliver_at > now or isinstance(item, _Marker):
+                break
+            room = limit - taken
+            if len(item) > room:
+                cut = int(room)
+                parts.append(item[:cut])
+                self.chunks[0] = (deliver_at, item[cut:])
+                taken += cut
+                break
+            parts.append(item)
+            taken += len(item)
+            self.chunks.popleft()
+        self.buffered -= taken
+        self.writable.unpark_all()
+        return b"".join(parts)
+
+
+class MemoryStream(trio.abc.HalfCloseableStream):
+    """One end of an in-memory connection; see the module docstring for its semantics.
+
+    Cancellation: a cancelled ``receive_some`` takes no bytes. A ``send_all`` cancelled while
+    waiting for buffer room has already queued its bytes (trio leaves the stream's state
+    unspecified after a cancelled send; here it is simply "sent"). ``aclose`` closes even if
+    cancelled.
+    """
+
+    def __init__(self, outgoing: _Pipe, incoming: _Pipe) -> None:
+        self._outgoing = outgoing
+        self._incoming = incoming
+        self._send_guard = _Guard("another task is already sending on this stream")
+        self._receive_guard = _Guard("another task is already receiving on this stream")
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        with self._send_guard:
+            await self._outgoing.send_all(bytes(data))
+
+    async def wait_send_all_might_not_block(self) -> None:
+        with self._send_guard:
+            await self._outgoing.wait_writable()
+
+    async def send_eof(self) -> None:
+        """Queue an end-of-stream marker; the peer reads b"" after the bytes sent before it."""
+        with self._send_guard:
+            await trio.lowlevel.checkpoint()
+            self._outgoing.write_eof()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if max_bytes is not None:
+            max_bytes = operator.index(max_bytes)
+            if max_bytes < 1:
+                raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        with self._receive_guard:
+            return await self._incoming.receive(max_bytes)
+
+    async def aclose(self) -> None:
+        """Close both directions: the peer reads b"" after what was sent, its sends break."""
+        self._outgoing.write_eof()
+        self._incoming.close_reader()
+        await trio.lowlevel.checkpoint()
+
+
+def memory_stream_pair(
+    link: Link | None = None, capacity: int = DEFAULT_CAPACITY
+) -> tuple[MemoryStream, MemoryStream]:
+    """Two connected MemoryStream ends governed by ``link``'s fault plan (a private perfect
+    link if None). ``capacity``: unread bytes per direction before ``send_all`` waits."""
+    if capacity < 0:
+        raise ConfigError(f"capacity must be >= 0, got {capacity}")
+    shared = link if link is not None else Link()
+    forward = _Pipe(shared, capacity)
+    backward = _Pipe(shared, capacity)
+    forward.reverse = backward
+    backward.reverse = forward
+    return MemoryStream(forward, backward), MemoryStream(backward, forward)

@@ -1,0 +1,153 @@
+"""``unix:///path``: Unix-domain stream sockets, owner-only (mode 0600).
+
+Listening replaces a stale socket file (left by a process that died: connecting to it is
+refused) and refuses a live one with AddressInUse. Closing the listener removes the socket
+file, but only if it is still the one this listener created.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import trio
+
+from flodl.errors import AddressInUse, TransportError, UnsupportedURL
+from flodl.transports.base import ListenerBase
+from flodl.transports.url import ParsedURL
+
+SOCKET_MODE = 0o600
+_BACKLOG = 128
+_BIND_ATTEMPTS = 3
+
+
+def _socket_path(address: ParsedURL) -> str:
+    if address.scheme != "unix" or address.path is None:
+        raise UnsupportedURL(f"{address.url!r} is not a unix address")
+    return address.path
+
+
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
+
+
+class UnixListener(ListenerBase):
+    """A listening Unix socket that owns its socket file."""
+
+    def __init__(self, inner: trio.SocketListener, url: str, path: str) -> None:
+        self._inner = inner
+        self.url = url
+        self.path = path
+        self._file_identity = _identity(os.stat(path))
+
+    async def accept(self) -> trio.SocketStream:
+        """Next connection. Cancellation loses no pending connection."""
+        try:
+            return await self._inner.accept()
+        except OSError as exc:
+            raise TransportError(f"accept failed on {self.url}: {exc}") from exc
+
+    async def aclose(self) -> None:
+        """Close the socket, then remove the socket file if it is still ours (same inode).
+
+        Idempotent; the file is removed even if the close is cancelled.
+        """
+        try:
+            await self._inner.aclose()
+        finally:
+            self._remove_own_file()
+
+    def _remove_own_file(self) -> None:
+        try:
+            if _identity(os.lstat(self.path)) == self._file_identity:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class UnixTransport:
+    """The unix:// scheme."""
+
+    scheme = "unix"
+
+    async def connect(self, address: ParsedURL) -> trio.SocketStream:
+        """Connect to the socket file; no such file or nobody listening -> TransportError."""
+        path = _socket_path(address)
+        try:
+            return await trio.open_unix_socket(path)
+        except OSError as exc:
+            raise TransportError(f"cannot connect to {address.url}: {exc}") from exc
+
+    async def open_listener(self, address: ParsedURL) -> UnixListener:
+        """Bind the path with mode 0600 and listen.
+
+        The mode is set between bind and listen: until listen, connecting is refused, so the
+        file is never connectable with looser permissions. A stale socket file is removed and
+        the bind retried; a live listener, or a path that is not a socket, raises
+        AddressInUse. Two processes racing for one stale path can still both see it stale in
+        the microseconds between another's bind and listen; do not share a path between
+        processes started at the same moment.
+        """
+        path = _socket_path(address)
+        for _ in range(_BIND_ATTEMPTS):
+            sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+            try:
+                await sock.bind(path)
+            except OSError as exc:
+                sock.close()
+                if exc.errno != errno.EADDRINUSE:
+                    raise TransportError(f"cannot listen on {address.url}: {exc}") from exc
+                await _remove_if_stale(path, address.url)
+                continue
+            try:
+                os.chmod(path, SOCKET_MODE)
+                sock.listen(_BACKLOG)
+                listener = UnixListener(trio.SocketListener(sock), address.url, path)
+            except BaseException as exc:
+                sock.close()
+                _unlink_quietly(path)
+                if isinstance(exc, OSError):
+                    raise TransportError(f"cannot listen on {address.url}: {exc}") from exc
+                raise
+            return listener
+        raise AddressInUse(f"cannot listen on {address.url}: the socket file keeps reappearing")
+
+
+async def _remove_if_stale(path: str, url: str) -> None:
+    """Remove ``path`` if it is a socket nobody listens on; raise AddressInUse if it is live.
+
+    Probing a live listener opens (and at once closes) one connection to it.
+    """
+    try:
+        before = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(before.st_mode):
+        raise AddressInUse(f"cannot listen on {url}: {path} exists and is not a socket")
+    probe = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    try:
+        await probe.connect(path)
+    except ConnectionRefusedError:
+        pass  # stale: nobody is listening
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise AddressInUse(f"cannot listen on {url}: {path} is in use ({exc})") from exc
+    else:
+        raise AddressInUse(f"cannot listen on {url}: a live listener holds {path}")
+    finally:
+        probe.close()
+    try:
+        # Remove only the file we probed, not one a new listener bound meanwhile.
+        if _identity(os.lstat(path)) == _identity(before):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
