@@ -1,0 +1,50 @@
+"""Gloo backend: CPU tensors over TCP, one ``ProcessGroupGloo`` per generation.
+
+Gloo cannot interrupt a running op (``abort()`` does nothing for it), so an abandoned op is
+ended by its per-op timeout (``AllreduceOptions.timeout``) while its thread is left behind.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
+
+from flodl.backends.torch_backend import Comm, TorchDistBackend
+
+
+class GlooComm:
+    """A gloo group built directly on a store (no global default group)."""
+
+    def __init__(self, store: Store, rank: int, world_size: int, op_timeout: float) -> None:
+        self._timeout = timedelta(seconds=op_timeout)
+        self._pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
+            store, rank, world_size, self._timeout
+        )
+
+    def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        pg: Any = self._pg  # the stubs omit Backend.allreduce
+        if pg is None:
+            raise RuntimeError("gloo group already released")
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(op)
+        opts.timeout = self._timeout
+        pg.allreduce([tensor], opts).wait()
+
+    def abandon(self) -> None:
+        """Nothing to do: the stuck op ends at its per-op timeout."""
+
+    def release(self, broken: bool) -> None:
+        self._pg = None
+
+
+class GlooBackend(TorchDistBackend):
+    """Parameter averaging over gloo (CPU tensors)."""
+
+    name = "gloo"
+
+    def _make_comm(self, store: Store, rank: int, world_size: int) -> Comm:
+        return GlooComm(store, rank, world_size, self.op_timeout)

@@ -1,0 +1,499 @@
+"""Shared machinery of the torch.distributed backends: generations, rounds, abandonment.
+
+Each generation's process group is built directly on a prefixed store (no global default
+group), so survivors can build generation ``g + 1`` while generation ``g`` is broken and an
+abandoned operation on it is still blocked in a thread. Every blocking torch call runs in a
+worker thread; collectives work on a scratch flat buffer, and only after a round succeeded is
+the result written into the live tensors.
+
+Cancellation: if the caller's cancel scope fires during a round, the worker thread is
+abandoned, the generation is marked broken (NCCL: its communicator is aborted) and
+``trio.Cancelled`` propagates; the live tensors are untouched. A collective that fails (a peer
+died, the per-op timeout expired) or that this backend abandons itself (a new generation was
+joined) raises :class:`~flodl.errors.CollectiveAborted`. A broken generation refuses further
+rounds until a new one is joined.
+
+Dropping the last reference to a group with a pending op blocks until the op ends (gloo), so
+retired groups wait in a graveyard and are released only in worker threads.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Protocol, TypeVar
+
+import attrs
+import torch
+import torch.distributed as dist
+import trio
+from torch._C._distributed_c10d import Store, TCPStore
+
+from flodl.backends.averaging import (
+    Applied,
+    FlatLayout,
+    Reduced,
+    apply_average,
+    bit_checksum,
+    finish_average,
+    local_norms,
+    pack,
+    read_sums,
+)
+from flodl.backends.base import DEFAULT_ALPHA, AverageResult
+from flodl.backends.group import GroupInfo, connect_store, host_store
+from flodl.errors import BackendError, CollectiveAborted
+
+T = TypeVar("T")
+
+
+class Comm(Protocol):
+    """One generation's communicator. ``allreduce`` and ``release`` run in worker threads."""
+
+    def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        """Reduce ``tensor`` in place with every member; raise RuntimeError on failure."""
+        ...
+
+    def abandon(self) -> None:
+        """Called on the trio thread: make any op stuck in another thread end soon."""
+        ...
+
+    def release(self, broken: bool) -> None:
+        """Tear the communicator down (blocking; only once no op is pending)."""
+        ...
+
+
+class _GroupVerifyFailed(BackendError):
+    """Internal: the checksum collective found ranks holding different averages."""
+
+
+@attrs.define(eq=False)
+class _Ticket:
+    """One op handed to a worker thread; the thread clears ``comm`` and sets ``done`` at its end."""
+
+    comm: Comm | None
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    done: threading.Event = attrs.field(factory=threading.Event)
+    abandoned: bool = False
+
+
+@attrs.define(eq=False)
+class _Generation:
+    number: int
+    rank: int
+    world_size: int
+    comm: Comm | None
+    broken: bool = False
+    tickets: set[_Ticket] = attrs.field(factory=set)
+
+
+@attrs.define(eq=False)
+class _Corpse:
+    """A retired communicator waiting to be released once its ops have ended."""
+
+    comm: Comm
+    broken: bool
+    pending: list[threading.Event]
+
+    def idle(self) -> bool:
+        return all(ev.is_set() for ev in self.pending)
+
+
+def _release_corpses(corpses: list[_Corpse], wait_s: float) -> None:
+    """Worker thread: wait (bounded) for pending ops, then tear the communicators down."""
+    while corpses:
+        corpse = corpses.pop()
+        for ev in corpse.pending:
+            ev.wait(wait_s)
+        try:
+            corpse.comm.release(corpse.broken)
+        except Exception:  # a broken group may complain on teardown; it is gone either way
+            pass
+        del corpse
+    gc.collect()
+
+
+class TorchDistBackend:
+    """Base of the gloo and nccl backends (subclasses build the communicator)."""
+
+    name = "torch"
+
+    def __init__(
+        self,
+        *,
+        op_timeout: float = 60.0,
+        join_timeout: float = 60.0,
+        verify: bool = True,
+    ) -> None:
+        """``op_timeout``: seconds after which a collective gives up by itself (the per-op
+        timeout); ``join_timeout``: seconds to wait for all members when forming a group;
+        ``verify``: after each round, prove with one extra 2-element MAX all-reduce that every
+        rank holds bitwise the same average (cost: one pass over the flat buffer plus one
+        tiny collective, ~0.5-3 ms on loopback gloo)."""
+        if op_timeout <= 0 or join_timeout <= 0:
+            raise BackendError("op_timeout and join_timeout must be > 0")
+        self.op_timeout = op_timeout
+        self.join_timeout = join_timeout
+        self.verify = verify
+        self._current: _Generation | None = None
+        self._hosted: dict[int, TCPStore] = {}
+        self._graveyard: list[_Corpse] = []
+        self._lock = trio.Lock()
+        # Abandoned threads hold a token until their op ends: keep them off trio's default.
+        self._limiter = trio.CapacityLimiter(64)
+        self._closed = False
+
+    # --- subclass hooks -------------------------------------------------------------------
+
+    def _make_comm(self, store: Store, rank: int, world_size: int) -> Comm:
+        raise NotImplementedError
+
+    # --- state ----------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int | None:
+        return None if self._current is None else self._current.number
+
+    @property
+    def broken(self) -> bool:
+        return self._current is None or self._current.broken
+
+    def _live_generation(self) -> _Generation:
+        if self._closed:
+            raise BackendError(f"{self.name} backend is closed")
+        gen = self._current
+        if gen is None:
+            raise BackendError(f"{self.name} backend has not joined a group yet")
+        if gen.broken or gen.comm is None:
+            raise CollectiveAborted(
+                f"group generation {gen.number} is broken; join a new generation first"
+            )
+        return gen
+
+    def _break(self, gen: _Generation) -> None:
+        """Mark ``gen`` broken, abort its communicator, cancel every op still running on it."""
+        if gen.broken:
+            return
+        gen.broken = True
+        for ticket in gen.tickets:
+            ticket.abandoned = True
+            ticket.scope.cancel()
+        if gen.comm is not None:
+            gen.comm.abandon()
+
+    def _retire(self, gen: _Generation) -> None:
+        """Move ``gen`` to the graveyard; ops still running on it are abandoned first."""
+        pending = [t.done for t in gen.tickets if not t.done.is_set()]
+        if pending:
+            self._break(gen)
+        if gen.comm is not None:
+            self._graveyard.append(_Corpse(comm=gen.comm, broken=gen.broken, pending=pending))
+            gen.comm = None
+        gen.broken = True
+        self._hosted.pop(gen.number, None)
+
+    # --- group formation ------------------------------------------------------------------
+
+    def prepare_group(self, generation: int, host: str) -> bytes:
+        """Host the store for ``generation`` here; the bytes go to every member.
+
+        The store stays alive in this process until the generation is retired (the process
+        group built on it also holds it).
+        """
+        if self._closed:
+            raise BackendError(f"{self.name} backend is closed")
+        store, info = host_store(generation, host)
+        self._hosted[generation] = store
+        return info.encode()
+
+    async def join_group(self, info: bytes, rank: int, world_size: int, generation: int) -> None:
+        """Build and join group ``generation``; the previous one is retired (its ops abandoned).
+
+        Blocks until every member has joined (gloo; NCCL connects eagerly where supported) or
+        ``join_timeout`` passes (:class:`BackendError`). On cancellation the half-built group
+        is dropped in its thread and ``trio.Cancelled`` propagates; the current one is kept.
+        """
+        if self._closed:
+            raise BackendError(f"{self.name} backend is closed")
+        if not 0 <= rank < world_size:
+            raise BackendError(f"rank {rank} is not in range(world_size={world_size})")
+        if self._current is not None and generation <= self._current.number:
+            raise BackendError(
+                f"generation {generation} is not newer than the current {self._current.number}"
+            )
+        parsed = GroupInfo.decode(info)
+        timeout = timedelta(seconds=self.join_timeout)
+
+        def build() -> Comm:
+            store = connect_store(parsed, timeout)
+            return self._make_comm(store, rank, world_size)
+
+        try:
+            comm = await trio.to_thread.run_sync(
+                build, abandon_on_cancel=True, limiter=self._limiter
+            )
+        except RuntimeError as err:
+            raise BackendError(
+                f"{self.name}: could not form group generation {generation} "
+                f"as rank {rank}/{world_size}: {err}"
+            ) from err
+        old = self._current
+        self._current = _Generation(generation, rank, world_size, comm)
+        if old is not None:
+            self._retire(old)
+        await self._bury_idle()
+
+    async def _bury_idle(self) -> None:
+        """Release, in a worker thread, retired groups whose ops have all ended."""
+        idle = [c for c in self._graveyard if c.idle()]
+        if not idle:
+            return
+        self._graveyard = [c for c in self._graveyard if not c.idle()]
+        await trio.to_thread.run_sync(
+            _release_corpses, idle, self.op_timeout, abandon_on_cancel=True, limiter=self._limiter
+        )
+
+    # --- rounds ---------------------------------------------------------------------------
+
+    def _reduce(self, comm: Comm, flat: torch.Tensor, layout: FlatLayout) -> Reduced:
+        """Worker thread: one SUM all-reduce, finish the average, optionally verify it."""
+        comm.allreduce(flat, dist.ReduceOp.SUM)
+        reduced = read_sums(flat, layout)
+        if reduced.total_mass > 0:
+            finish_average(flat, layout, reduced)
+        if self.verify:
+            check = bit_checksum(flat)
+            pair = torch.tensor([check, -check], dtype=torch.int64, device=flat.device)
+            comm.allreduce(pair, dist.ReduceOp.MAX)
+            high, neg_low = pair.tolist()
+            if high != -neg_low:
+                raise _GroupVerifyFailed("ranks hold different averages after the all-reduce")
+        return reduced
+
+    async def _in_thread(self, gen: _Generation, fn: Callable[[Comm, _Ticket], T]) -> T:
+        """Run ``fn(comm, ticket)`` in an abandonable worker thread tied to ``gen``."""
+        ticket = _Ticket(comm=gen.comm)
+        gen.tickets.add(ticket)
+
+        def run() -> T:
+            try:
+                comm = ticket.comm
+                if comm is None or ticket.abandoned:
+                    raise CollectiveAborted("abandoned before it started")
+                return fn(comm, ticket)
+            finally:
+                ticket.comm = None
+                ticket.done.set()
+
+        try:
+            with ticket.scope:
+                return await trio.to_thread.run_sync(
+                    run, abandon_on_cancel=True, limiter=self._limiter
+                )
+            # Only our own _break() cancels ticket.scope: the group was abandoned under us.
+            raise CollectiveAborted(f"group generation {gen.number} was abandoned")
+        except trio.Cancelled:
+            self._break(gen)
+            raise
+        except _GroupVerifyFailed as err:
+            self._break(gen)
+            raise BackendError(f"{self.name} generation {gen.number}: {err}") from None
+        except (RuntimeError, CollectiveAborted) as err:
+            self._break(gen)
+            if isinstance(err, CollectiveAborted):
+                raise
+            raise CollectiveAborted(
+                f"{self.name} collective failed on generation {gen.number}: {err}"
+            ) from err
+        finally:
+            if ticket.done.is_set():
+                gen.tickets.discard(ticket)
+
+    async def _reduce_snapshot(
+        self,
+        gen: _Generation,
+        snapshot: Callable[[], torch.Tensor],
+        layout: FlatLayout,
+    ) -> tuple[torch.Tensor, Reduced]:
+        def work(comm: Comm, ticket: _Ticket) -> tuple[torch.Tensor, Reduced]:
+            flat = snapshot()
+            if ticket.abandoned:
+                raise CollectiveAborted("abandoned before the collective")
+            return flat, self._reduce(comm, flat, layout)
+
+        return await self._in_thread(gen, work)
+
+    async def average(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        batches: int,
+        gamma: float = 1.0,
+    ) -> AverageResult:
+        """Average with every member now (Sync/Cadence): live tensors overwritten on success.
+
+        Blocks this task until done. Cancelled: ``trio.Cancelled`` propagates, the group is
+        broken, live tensors untouched. Failed: :class:`CollectiveAborted`, same guarantees.
+        Once the collective succeeded the result is applied whole, even if a cancel arrives.
+        """
+        layout = FlatLayout.of(params, buffers)
+        async with self._lock:
+            gen = self._live_generation()
+            flat, reduced = await self._reduce_snapshot(
+                gen, lambda: pack(params, buffers, layout, batches, gamma), layout
+            )
+        return await _apply(flat, layout, reduced, params, buffers, alpha=1.0)
+
+    async def start_background_average(
+        self,
+        nursery: trio.Nursery,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        batches: int,
+        gamma: float = 1.0,
+    ) -> BackgroundAverage:
+        """Snapshot the tensors now (returns once taken), then reduce in ``nursery``.
+
+        The caller may change the live tensors as soon as this returns. Call
+        :meth:`BackgroundAverage.blend_into` once it has landed.
+        """
+        layout = FlatLayout.of(params, buffers)
+        gen = self._live_generation()
+        flat = await trio.to_thread.run_sync(pack, params, buffers, layout, batches, gamma)
+        pending = BackgroundAverage(layout)
+        nursery.start_soon(self._background_round, gen, flat, layout, pending)
+        return pending
+
+    async def _background_round(
+        self,
+        gen: _Generation,
+        flat: torch.Tensor,
+        layout: FlatLayout,
+        pending: BackgroundAverage,
+    ) -> None:
+        try:
+            with pending._scope:
+                async with self._lock:
+                    if gen is not self._current or gen.broken:
+                        raise CollectiveAborted(f"group generation {gen.number} is gone")
+                    _, reduced = await self._reduce_snapshot(gen, lambda: flat, layout)
+                pending._land(flat, reduced, None)
+                return
+            pending._land(None, None, CollectiveAborted("background average was abandoned"))
+            self._break(gen)
+        except BackendError as err:
+            pending._land(None, None, err)
+        except trio.Cancelled:
+            pending._land(None, None, CollectiveAborted("background average was cancelled"))
+            raise
+
+    async def close(self) -> None:
+        """Abandon any running op, tear down every group, release the stores.
+
+        Waits (in a worker thread, at most about ``op_timeout`` per pending op) for abandoned
+        ops to end, so a process that awaited this exits cleanly. Idempotent.
+        """
+        self._closed = True
+        if self._current is not None:
+            self._retire(self._current)
+        self._hosted.clear()
+        corpses, self._graveyard = self._graveyard, []
+        await trio.to_thread.run_sync(
+            _release_corpses, corpses, self.op_timeout + 5.0, abandon_on_cancel=True
+        )
+
+
+async def _apply(
+    flat: torch.Tensor,
+    layout: FlatLayout,
+    reduced: Reduced,
+    params: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    alpha: float,
+) -> AverageResult:
+    """Write a successful round into the live tensors (not abandonable: applied whole)."""
+    skipped = reduced.total_mass <= 0
+    applied: Applied
+    if skipped:
+        applied = await trio.to_thread.run_sync(local_norms, params)
+    else:
+        applied = await trio.to_thread.run_sync(apply_average, flat, layout, params, buffers, alpha)
+    return _result(applied, reduced, skipped)
+
+
+def _result(applied: Applied, reduced: Reduced, skipped: bool) -> AverageResult:
+    return AverageResult(
+        divergence=applied.divergence,
+        pre_norm=applied.pre_norm,
+        post_norm=applied.post_norm,
+        skipped=skipped,
+        total_mass=reduced.total_mass,
+        movers=round(reduced.movers),
+    )
+
+
+class BackgroundAverage:
+    """A round reducing a snapshot in the background (Async policy, EASGD blend on landing)."""
+
+    def __init__(self, layout: FlatLayout) -> None:
+        self._layout = layout
+        self._scope = trio.CancelScope()
+        self._landed = trio.Event()
+        self._flat: torch.Tensor | None = None
+        self._reduced: Reduced | None = None
+        self._error: BackendError | None = None
+        self._used = False
+
+    def _land(
+        self, flat: torch.Tensor | None, reduced: Reduced | None, error: BackendError | None
+    ) -> None:
+        self._flat, self._reduced, self._error = flat, reduced, error
+        self._landed.set()
+
+    @property
+    def landed(self) -> bool:
+        return self._landed.is_set()
+
+    @property
+    def error(self) -> BackendError | None:
+        """Why the round failed, once landed; None on success."""
+        return self._error
+
+    async def wait(self) -> None:
+        """Block until landed (success or failure). Cancellation leaves the round running."""
+        await self._landed.wait()
+
+    def blend_into(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        alpha: float = DEFAULT_ALPHA,
+    ) -> AverageResult:
+        """EASGD: ``p <- (1 - alpha) * p + alpha * avg``; float buffers overwritten.
+
+        Runs on the calling thread (one pass over the tensors). A zero-mass round leaves the
+        tensors as they are. Raises :class:`CollectiveAborted` (or the round's
+        :class:`BackendError`) if it failed, :class:`BackendError` if not landed or used twice.
+        """
+        if not self.landed:
+            raise BackendError("background average has not landed yet")
+        if self._error is not None:
+            raise self._error
+        if self._used:
+            raise BackendError("background average was already blended in")
+        if FlatLayout.of(params, buffers) != self._layout:
+            raise BackendError("tensors differ in shape or dtype from the snapshot")
+        self._used = True
+        flat, reduced = self._flat, self._reduced
+        assert flat is not None and reduced is not None
+        self._flat = None
+        skipped = reduced.total_mass <= 0
+        if skipped:
+            return _result(local_norms(params), reduced, skipped)
+        return _result(apply_average(flat, self._layout, params, buffers, alpha), reduced, skipped)
+
+    def abandon(self) -> None:
+        """Give up on the round; it lands as failed and the group is marked broken."""
+        self._scope.cancel()

@@ -1,0 +1,130 @@
+"""A rank process for the backend tests: JSON-line commands on stdin, JSON replies on stdout.
+
+Not a test module. Model: params p0 (3,) and p1 (2, 2); buffers b0 float (2,) and b1 an int64
+step counter. Run: ``python -m tests.backends.rank_script --op-timeout 3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+import trio
+
+from flodl.backends import AverageResult, open_backend
+from flodl.errors import BackendError, CollectiveAborted
+
+
+class Model:
+    def __init__(self) -> None:
+        self.params = [torch.zeros(3), torch.zeros(2, 2)]
+        self.buffers = [torch.zeros(2), torch.zeros((), dtype=torch.int64)]
+
+    def fill(self, param: float, buffer: float, counter: int) -> None:
+        for p in self.params:
+            p.fill_(param)
+        self.buffers[0].fill_(buffer)
+        self.buffers[1].fill_(counter)
+
+    def state(self) -> dict[str, Any]:
+        tensors = [*self.params, self.buffers[0]]  # the int counter stays local: not compared
+        return {
+            "params": [p.reshape(-1).tolist() for p in self.params],
+            "buffers": [b.reshape(-1).tolist() for b in self.buffers],
+            "hex": b"".join(t.numpy().tobytes() for t in tensors).hex(),
+        }
+
+
+def result_dict(result: AverageResult) -> dict[str, Any]:
+    return {
+        "divergence": result.divergence,
+        "pre_norm": result.pre_norm,
+        "post_norm": result.post_norm,
+        "skipped": result.skipped,
+        "total_mass": result.total_mass,
+        "movers": result.movers,
+    }
+
+
+async def serve(op_timeout: float) -> None:
+    backend = open_backend("auto", op_timeout=op_timeout, join_timeout=20.0)
+    model = Model()
+    stdin = trio.wrap_file(sys.stdin)
+    reply({"ready": True, "backend": backend.name})
+    try:
+        async for line in stdin:
+            cmd = json.loads(line)
+            out = await handle(backend, model, cmd)
+            reply(out)
+            if cmd["cmd"] == "close":
+                return
+    finally:
+        await backend.close()
+
+
+async def handle(backend: Any, model: Model, cmd: dict[str, Any]) -> dict[str, Any]:
+    kind = cmd["cmd"]
+    if kind == "prepare":
+        return {"info": backend.prepare_group(cmd["generation"], "127.0.0.1").hex()}
+    if kind == "join":
+        start = time.monotonic()
+        await backend.join_group(
+            bytes.fromhex(cmd["info"]), cmd["rank"], cmd["world"], cmd["generation"]
+        )
+        return {"ok": True, "ms": (time.monotonic() - start) * 1e3}
+    if kind == "fill":
+        model.fill(cmd["param"], cmd["buffer"], cmd["counter"])
+        return {"ok": True}
+    if kind == "average":
+        start = time.monotonic()
+        status, result = "cancelled", None
+        with trio.move_on_after(cmd.get("cancel_after", 1e9)):
+            try:
+                res = await backend.average(
+                    model.params, model.buffers, cmd["batches"], cmd.get("gamma", 1.0)
+                )
+                status, result = "ok", result_dict(res)
+            except CollectiveAborted as err:
+                status, result = "aborted", {"error": str(err)}
+        return {
+            "status": status,
+            "result": result,
+            "ms": (time.monotonic() - start) * 1e3,
+            "broken": backend.broken,
+            **model.state(),
+        }
+    if kind == "background":
+        async with trio.open_nursery() as nursery:
+            pending = await backend.start_background_average(
+                nursery, model.params, model.buffers, cmd["batches"], cmd.get("gamma", 1.0)
+            )
+            for p in model.params:  # "training" while the collective is in flight
+                p.add_(cmd["train_delta"])
+            await pending.wait()
+            res = pending.blend_into(model.params, model.buffers, cmd.get("alpha", 0.5))
+        return {"status": "ok", "result": result_dict(res), **model.state()}
+    if kind == "close":
+        await backend.close()
+        return {"ok": True}
+    raise BackendError(f"unknown command {kind!r}")
+
+
+def reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--op-timeout", type=float, default=3.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    trio.run(serve, args.op_timeout)
+
+
+if __name__ == "__main__":
+    main()
