@@ -1,0 +1,295 @@
+"""A :class:`Channel` carries authenticated control messages over any ``trio.abc.Stream``.
+
+It also holds the two handshake drivers that open one: :func:`connect_rank` (rank side) and
+:func:`accept_rank` (coordinator side). Neither applies a deadline of its own; wrap them in
+``trio.fail_after`` / ``trio.move_on_after`` (``flodl.admission.serve_ranks`` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import Self
+
+import trio
+
+from flodl.errors import (
+    BrokenChannel,
+    ChannelClosed,
+    DuplicateRank,
+    HandshakeError,
+    HandshakeVersionMismatch,
+)
+from flodl.wire.codec import DEFAULT_MAX_PAYLOAD, FrameDecoder, FrameEncoder
+from flodl.wire.handshake import (
+    CLIENT_HELLO_SIZE,
+    NONCE_SIZE,
+    PREFIX_CHECK_SIZE,
+    SERVER_HELLO_SIZE,
+    HelloStatus,
+    check_client_hello,
+    check_client_prefix,
+    check_server_hello,
+    check_session_key,
+    check_signature,
+    derive_keys,
+    hello_nonce,
+    make_client_hello,
+    make_server_hello,
+    status_for,
+)
+from flodl.wire.messages import TO_COORDINATOR_TAGS, TO_RANK_TAGS, Message
+
+RECEIVE_CHUNK = 64 * 1024
+"""Most bytes read from the stream at once; the decoder never holds more than one frame + this."""
+
+
+class Channel:
+    """Sends and receives messages over one stream, under one direction key each way.
+
+    One task may receive at a time; any number may send (a lock keeps frames whole and in
+    sequence order). After the peer closes cleanly :meth:`receive` raises
+    :class:`ChannelClosed` (and ``async for`` ends); a stream cut mid-frame raises
+    :class:`TruncatedFrame`; a broken stream, or any use after a wire error, raises
+    :class:`BrokenChannel`. Wire errors (authentication, sequence, size, validation) surface with
+    their own types the first time.
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        *,
+        send_key: bytes,
+        receive_key: bytes,
+        receive_tags: frozenset[int],
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+    ) -> None:
+        self._stream = stream
+        self._encoder = FrameEncoder(send_key, max_payload=max_payload)
+        self._decoder = FrameDecoder(
+            receive_key, max_payload=max_payload, allowed_tags=receive_tags
+        )
+        self._send_lock = trio.Lock()
+        self._send_broken: BaseException | None = None
+        self._receiving = False
+        self._peer_closed = False
+
+    @property
+    def stream(self) -> trio.abc.Stream:
+        """The underlying stream (for transport-specific options)."""
+        return self._stream
+
+    async def send(self, message: Message) -> None:
+        """Send one message; frames of concurrent senders never interleave.
+
+        Raises FrameTooLarge (nothing sent, channel still usable) or BrokenChannel. If the
+        send is cancelled or fails midway, part of a frame may be on the wire, so every later
+        send raises BrokenChannel.
+        """
+        async with self._send_lock:
+            if self._send_broken is not None:
+                raise BrokenChannel(f"cannot send: an earlier send failed ({self._send_broken!r})")
+            frame = self._encoder.encode(message)
+            try:
+                await self._stream.send_all(frame)
+            except BaseException as err:
+                self._send_broken = err
+                if isinstance(err, trio.BrokenResourceError | trio.ClosedResourceError):
+                    raise BrokenChannel(f"cannot send {type(message).__name__}: {err}") from err
+                raise
+
+    async def send_eof(self) -> None:
+        """Say "no more messages from this side" and keep receiving (half-closeable streams).
+
+        Raises BrokenChannel if the stream cannot half-close or is broken.
+        """
+        if not isinstance(self._stream, trio.abc.HalfCloseableStream):
+            raise BrokenChannel(f"{type(self._stream).__name__} cannot half-close")
+        async with self._send_lock:
+            try:
+                await self._stream.send_eof()
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
+                raise BrokenChannel(f"cannot send end of stream: {err}") from err
+            self._send_broken = ChannelClosed("end of stream already sent")
+
+    async def receive(self) -> Message:
+        """The next message from the peer.
+
+        Raises ChannelClosed on a clean end of stream at a frame boundary (and again on every
+        later call), TruncatedFrame on an end of stream mid-frame, BrokenChannel if the stream
+        broke or an earlier error poisoned the channel, and the decoder's wire errors. Safe to
+        cancel: bytes already read stay buffered for the next call.
+        """
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this channel")
+        self._receiving = True
+        try:
+            decoder = self._decoder
+            while True:
+                message = decoder.next_message()
+                if message is not None:
+                    return message
+                if self._peer_closed:
+                    raise ChannelClosed("the peer closed the channel")
+                try:
+                    data = await self._stream.receive_some(RECEIVE_CHUNK)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
+                    raise BrokenChannel(f"stream broke while receiving: {err!r}") from err
+                if not data:
+                    decoder.end_of_stream()
+                    self._peer_closed = True
+                    raise ChannelClosed("the peer closed the channel")
+                decoder.feed(data)
+        finally:
+            self._receiving = False
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Message:
+        """The next message; iteration ends when the peer closes cleanly."""
+        try:
+            return await self.receive()
+        except ChannelClosed:
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        """Close the stream (idempotent; closes even when cancelled, as trio streams do)."""
+        await self._stream.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+async def _receive_exactly(
+    stream: trio.abc.Stream, size: int, what: str, check: Callable[[bytes], None] | None = None
+) -> bytes:
+    # Reads never go past ``size``: the bytes after a hello belong to the channel.
+    buffer = bytearray()
+    while len(buffer) < size:
+        try:
+            data = await stream.receive_some(size - len(buffer))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
+            raise BrokenChannel(f"stream broke during the handshake: {err!r}") from err
+        if not data:
+            raise HandshakeError(
+                f"the peer closed the connection during the handshake "
+                f"({len(buffer)} of {size} bytes of its {what})"
+            )
+        buffer += data
+        if check is not None:
+            check(bytes(buffer))
+    return bytes(buffer)
+
+
+async def _send_handshake(stream: trio.abc.Stream, data: bytes) -> None:
+    try:
+        await stream.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
+        raise BrokenChannel(f"stream broke during the handshake: {err!r}") from err
+
+
+async def connect_rank(
+    stream: trio.abc.Stream,
+    key: bytes,
+    rank: int,
+    world_size: int,
+    signature: bytes | None = None,
+    *,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+) -> Channel:
+    """Introduce this rank to the coordinator over ``stream``; the accepted Channel.
+
+    Raises the typed handshake error if the coordinator refuses (WorldSizeMismatch,
+    RankOutOfRange, DuplicateRank, SignatureMismatch, WrongKey, HandshakeVersionMismatch),
+    WrongKey if its reply does not verify, HandshakeError if it hangs up, BrokenChannel if the
+    stream breaks. No deadline of its own: the caller bounds it with a cancel scope. The
+    stream is not closed on failure (the caller owns it).
+    """
+    hello, state = make_client_hello(key, rank, world_size, signature)
+    await _send_handshake(stream, hello)
+    reply = await _receive_exactly(stream, SERVER_HELLO_SIZE, "reply")
+    keys = check_server_hello(reply, state)
+    return Channel(
+        stream,
+        send_key=keys.to_coordinator,
+        receive_key=keys.to_rank,
+        receive_tags=TO_RANK_TAGS,
+        max_payload=max_payload,
+    )
+
+
+async def accept_rank(
+    stream: trio.abc.Stream,
+    key: bytes,
+    world_size: int,
+    signature: bytes | None = None,
+    *,
+    taken: Callable[[int], bool],
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+) -> tuple[int, Channel]:
+    """Run the coordinator's side of the handshake; the rank and its Channel.
+
+    ``taken(rank)`` is called once, synchronously, after the hello verified; True refuses the
+    rank as DuplicateRank. Nothing awaits between that call and the decision, so a caller that
+    reserves the rank inside ``taken`` keeps ranks unique under concurrency (serve_ranks does).
+
+    A refused rank is told why before the error is raised (WrongKey, HandshakeVersionMismatch,
+    WorldSizeMismatch, RankOutOfRange, DuplicateRank, SignatureMismatch); a non-flodl peer
+    (ProtocolError) gets no reply. No deadline of its own: the caller bounds it with a cancel
+    scope. The stream is not closed on failure (the caller owns it).
+    """
+    check_session_key(key)
+    signature = check_signature(signature)
+    try:
+        prefix = await _receive_exactly(stream, PREFIX_CHECK_SIZE, "hello", check_client_prefix)
+    except HandshakeVersionMismatch as err:
+        # The rest of a hello of another version may be laid out differently: do not read it.
+        await _refuse(stream, key, bytes(NONCE_SIZE), HelloStatus.VERSION_MISMATCH, 0, err)
+        raise
+    rest = await _receive_exactly(stream, CLIENT_HELLO_SIZE - PREFIX_CHECK_SIZE, "hello")
+    data = prefix + rest
+    try:
+        hello = check_client_hello(data, key, world_size, signature)
+        if taken(hello.rank):
+            raise DuplicateRank(f"rank {hello.rank} is already held by a live connection")
+    except HandshakeError as err:
+        status = status_for(err)
+        if status is not None:
+            await _refuse(stream, key, hello_nonce(data), status, world_size, err)
+        raise
+    reply, server_nonce = make_server_hello(key, hello.nonce)
+    await _send_handshake(stream, reply)
+    keys = derive_keys(key, hello.nonce, server_nonce)
+    return hello.rank, Channel(
+        stream,
+        send_key=keys.to_rank,
+        receive_key=keys.to_coordinator,
+        receive_tags=TO_COORDINATOR_TAGS,
+        max_payload=max_payload,
+    )
+
+
+async def _refuse(
+    stream: trio.abc.Stream,
+    key: bytes,
+    client_nonce: bytes,
+    status: HelloStatus,
+    world_size: int,
+    reason: BaseException,
+) -> None:
+    """Tell the rank why it is refused; best effort (a broken stream must not hide ``reason``)."""
+    detail = world_size if status == HelloStatus.WORLD_SIZE_MISMATCH else 0
+    reply, _ = make_server_hello(key, client_nonce, status, detail)
+    try:
+        await stream.send_all(reply)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
