@@ -1,0 +1,64 @@
+"""Group info bytes (CBOR, never pickle) and backend selection by name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import cbor2
+import pytest
+
+from flodl.backends import open_backend, resolve_backend_name
+from flodl.backends.group import GroupInfo
+from flodl.backends.nccl import NcclBackend, nccl_usable
+from flodl.errors import BackendError, ConfigError
+
+
+def test_info_round_trips_canonically() -> None:
+    info = GroupInfo(host="10.0.0.7", port=29500, prefix="flodl/gen3/abcd")
+    data = info.encode()
+    assert cbor2.loads(data) == {"host": "10.0.0.7", "port": 29500, "prefix": "flodl/gen3/abcd"}
+    assert GroupInfo.decode(data) == info
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xff\x00garbage",
+        cbor2.dumps([1, 2, 3]),
+        cbor2.dumps({"host": "h", "port": 1}),
+        cbor2.dumps({"host": "h", "port": 1, "prefix": "p", "extra": 0}),
+        cbor2.dumps({"host": "", "port": 1, "prefix": "p"}),
+        cbor2.dumps({"host": "h", "port": 0, "prefix": "p"}),
+        cbor2.dumps({"host": "h", "port": 70000, "prefix": "p"}),
+        cbor2.dumps({"host": "h", "port": "1", "prefix": "p"}),
+        cbor2.dumps({"host": "h", "port": True, "prefix": "p"}),
+        cbor2.dumps({"host": "h", "port": 1, "prefix": "p"}) + b"\x00",
+        cbor2.dumps({"host": "h" * 2000, "port": 1, "prefix": "p"}),
+    ],
+)
+def test_bad_info_is_rejected(data: bytes) -> None:
+    with pytest.raises(BackendError):
+        GroupInfo.decode(data)
+
+
+def test_auto_selects_gloo_without_cuda() -> None:
+    assert nccl_usable() is False  # this machine: CPU-only torch
+    assert resolve_backend_name("auto") == "gloo"
+    assert open_backend("auto").name == "gloo"
+    assert open_backend("gloo", op_timeout=5.0).name == "gloo"
+
+
+def test_unknown_name_and_unusable_nccl_are_clear_errors() -> None:
+    with pytest.raises(ConfigError, match="unknown backend 'mpi'"):
+        resolve_backend_name("mpi")
+    if not nccl_usable():
+        with pytest.raises(BackendError, match="needs a torch build with NCCL"):
+            NcclBackend()
+
+
+def test_importing_backends_does_not_import_torch() -> None:
+    code = "import sys, flodl.backends, flodl.backends.base; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
