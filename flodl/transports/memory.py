@@ -107,23 +107,29 @@ class MemoryListener(ListenerBase):
         self._incoming.send_nowait(server_end)
 
     async def accept(self) -> MemoryStream:
-        """Next queued connection; ClosedResourceError after aclose."""
-        return await self._pending.receive()
+        """Next queued connection; ClosedResourceError after (or during) aclose."""
+        try:
+            return await self._pending.receive()
+        except trio.EndOfChannel:
+            raise trio.ClosedResourceError("this memory listener is closed") from None
 
     async def aclose(self) -> None:
         """Release the name and close connections not yet accepted (their clients read EOF).
 
-        Idempotent; closes even if cancelled. Accepted connections stay open.
+        A task blocked in accept() gets ClosedResourceError. Accepted connections stay open.
+        Idempotent; closes even if cancelled.
         """
-        self._network.unbind(self)
-        self._incoming.close()
+        self._network.unbind(self)  # from here on, nothing new is delivered
+        unaccepted: list[MemoryStream] = []
         while True:
             try:
-                unaccepted = self._pending.receive_nowait()
+                unaccepted.append(self._pending.receive_nowait())
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
-            await _close_now(unaccepted)
         self._pending.close()
+        self._incoming.close()
+        for stream in unaccepted:
+            await _close_now(stream)
         await trio.lowlevel.checkpoint()
 
 

@@ -9,7 +9,9 @@ new plan applies at once to every existing connection of that link):
 
 - ``latency``: a chunk sent at time ``t`` becomes receivable at ``t + latency`` (the latency
   in force when it was sent), and never before the chunks sent ahead of it. ``send_eof`` and
-  ``aclose`` markers travel the same way. Connecting adds no latency.
+  ``aclose`` markers travel the same way. Connecting adds no latency, and a reader's
+  ``aclose`` is felt by the writer at once (its next ``send_all`` raises
+  ``BrokenResourceError``), partition or not.
 - ``cut_after_bytes=N``: each direction of each connection carries at most N bytes in total
   (counted from the connection's start). The ``send_all`` that would exceed N queues the bytes
   up to N, breaks the connection and raises ``trio.BrokenResourceError``. After a break, each

@@ -89,6 +89,19 @@ async def test_closing_a_listener_ends_unaccepted_connections_and_frees_the_name
         await connect(f"memory://{name}")
 
 
+async def test_closing_a_listener_wakes_a_blocked_accept() -> None:
+    listener = await open_listener(f"memory://{fresh_name()}")
+    async with trio.open_nursery() as nursery:
+
+        async def blocked_accept() -> None:
+            with pytest.raises(trio.ClosedResourceError):
+                await listener.accept()
+
+        nursery.start_soon(blocked_accept)
+        await trio.testing.wait_all_tasks_blocked()
+        await listener.aclose()
+
+
 async def test_a_private_network_is_isolated_from_the_process_wide_one() -> None:
     name = fresh_name()
     network = MemoryNetwork()
