@@ -11,10 +11,11 @@ does not decide cadence (ElChe's batch counts come in as an argument); it execut
 * :meth:`Cycle.start_round` closes the window at once (as floDl's collective path does):
   ``global_step += sum(steps)``, step counters reset, throttles cleared, and it returns
   ``SyncNow`` plus ``SetGlobalStep`` for the members.
-* A member acknowledges the round with a ``SyncAck`` for that round, or with any ``Batch``
-  or ``SyncAck`` whose ``step_count`` exceeds the count snapshot taken when the round was
-  armed (ranks bump their ``step_count`` when they finish a collective, so the first report
-  after the average is an ack). Once every member acked, the round is *settled*.
+* A member acknowledges the round with a ``SyncAck`` carrying that round's number, or with
+  a ``Batch`` whose ``step_count`` exceeds the count snapshot taken when the round was armed
+  (ranks bump their ``step_count`` when they finish a collective, so their first report
+  after the average is an ack). A ``SyncAck`` for any other round is ignored. Once every
+  member acked, the round is *settled*.
 * While a round is unsettled the run must not be shut down gracefully
   (:meth:`Cycle.may_shutdown`), and past the reduce-stall ceiling the cycle asks once for
   ``ShutdownWithSave(REDUCE_STALL)``.
@@ -172,6 +173,11 @@ class Cycle:
     def round(self) -> int:
         """Number of the latest SyncNow sent (0 before the first)."""
         return self._round
+
+    @property
+    def generation(self) -> int:
+        """Group generation named in the latest SyncNow (0 before the first)."""
+        return self._generation
 
     @property
     def global_step(self) -> int:
