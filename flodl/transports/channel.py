@@ -170,7 +170,12 @@ class Channel:
 
 
 async def _receive_exactly(
-    stream: trio.abc.Stream, size: int, what: str, check: Callable[[bytes], None] | None = None
+    stream: trio.abc.Stream,
+    size: int,
+    what: str,
+    check: Callable[[bytes], None] | None = None,
+    *,
+    already: int = 0,
 ) -> bytes:
     # Reads never go past ``size``: the bytes after a hello belong to the channel.
     buffer = bytearray()
@@ -182,7 +187,7 @@ async def _receive_exactly(
         if not data:
             raise HandshakeError(
                 f"the peer closed the connection during the handshake "
-                f"({len(buffer)} of {size} bytes of its {what})"
+                f"({already + len(buffer)} of {already + size} bytes of its {what})"
             )
         buffer += data
         if check is not None:
@@ -255,7 +260,9 @@ async def accept_rank(
         # The rest of a hello of another version may be laid out differently: do not read it.
         await _refuse(stream, key, bytes(NONCE_SIZE), HelloStatus.VERSION_MISMATCH, 0, err)
         raise
-    rest = await _receive_exactly(stream, CLIENT_HELLO_SIZE - PREFIX_CHECK_SIZE, "hello")
+    rest = await _receive_exactly(
+        stream, CLIENT_HELLO_SIZE - PREFIX_CHECK_SIZE, "hello", already=PREFIX_CHECK_SIZE
+    )
     data = prefix + rest
     try:
         hello = check_client_hello(data, key, world_size, signature)
