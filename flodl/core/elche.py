@@ -204,7 +204,7 @@ class ElChe:
 
         self._windows = [_TrustWindow() for _ in range(world_size)]
         self._counts = [anchor] * world_size
-        self._anchor_rank: int | None = 0
+        self._anchor_rank = 0
         self._calibration_count = 0
         self._cap_binding = False
         self._staged: int | None = None
@@ -300,8 +300,8 @@ class ElChe:
         return self._max_total_batches
 
     @property
-    def anchor_rank(self) -> int | None:
-        """The rank that runs ``anchor`` batches; None only while no rank can be chosen."""
+    def anchor_rank(self) -> int:
+        """The rank that runs ``anchor`` batches (the cold-start pin until timings elect one)."""
         return self._anchor_rank
 
     @property
@@ -332,8 +332,6 @@ class ElChe:
     @property
     def slow_ms(self) -> float | None:
         """The anchor rank's time per batch, None while it has no timing."""
-        if self._anchor_rank is None:
-            return None
         return self._windows[self._anchor_rank].mean
 
     @property
@@ -440,18 +438,21 @@ class ElChe:
             else:
                 window.add(sample)
 
-        if self._anchor_rank is not None and self._windows[self._anchor_rank].lost:
-            self._anchor_rank = None
-        if self._anchor_rank is None or self.phase >= Phase.STABLE:
-            elected = elect_anchor(self.smoothed_ms, self._anchor_rank)
+        # A lost anchor rank (5 missed reports) is replaced at once, in any phase; otherwise
+        # elections wait for Stable. With no timed rank at all, the cold-start pin stands in.
+        lost = self._windows[self._anchor_rank].lost
+        if lost or self.phase >= Phase.STABLE:
+            elected = elect_anchor(self.smoothed_ms, None if lost else self._anchor_rank)
             if elected is not None:
                 self._anchor_rank = elected
+            elif lost:
+                self._resolve_pin()
         if self.slow_ms is not None:
             self._calibration_count += 1
 
         rank_changed = self._anchor_rank != rank_before
         self._recompute(retarget=not was_calibrated or rank_changed, step_clamp=was_calibrated)
-        fill_b = 0.0 if self._anchor_rank is None else fill_ms[self._anchor_rank]
+        fill_b = fill_ms[self._anchor_rank]
         self._stage_growth(reduce_ms, fill_b)
         self._history.append(list(self._counts))
         return self.batch_counts
@@ -480,15 +481,17 @@ class ElChe:
     def _recompute(self, *, retarget: bool, step_clamp: bool) -> None:
         """Move counts toward their targets.
 
-        ``retarget`` skips the dead zone (first calibration, a new anchor or anchor rank: the
-        dead zone only filters timing jitter). ``step_clamp`` bounds each move by max_batch_diff.
+        The dead zone only filters timing jitter, so it is skipped with ``retarget`` (first
+        calibration, a new anchor or anchor rank) and for the anchor rank, whose target is the
+        anchor itself. ``step_clamp`` bounds each move by max_batch_diff.
         """
         if self.slow_ms is None:
             retarget, step_clamp = True, False
         new_counts = []
-        for target, current in zip(self._targets(), self._counts, strict=True):
+        for rank, (target, current) in enumerate(zip(self._targets(), self._counts, strict=True)):
             count = target
-            if not retarget and abs(target - current) <= DEAD_ZONE * current:
+            jitter = abs(target - current) <= DEAD_ZONE * current
+            if jitter and not retarget and rank != self._anchor_rank:
                 count = current
             if step_clamp and self._max_batch_diff is not None:
                 step = self._max_batch_diff
@@ -644,9 +647,10 @@ class ElChe:
         """A new ElChe over the surviving ranks, renumbered 0.. in ascending old-index order.
 
         Survivors keep their timings, the anchor, phase, latch and pins that still apply. If the
-        anchor rank died, a new one is elected among the timed survivors (rank 0 if none has
-        timing). Counts are recomputed at once, without dead zone or step clamp. Any staged
-        growth is dropped. This instance is not changed.
+        anchor rank died, a new one is elected among the timed survivors (if none has timing,
+        the cold-start pin among the survivors, else rank 0). Counts are recomputed at once,
+        without dead zone or step clamp. Any staged growth is dropped. This instance is not
+        changed.
 
         Raises:
             ConfigError: no survivors, a duplicate, or an index out of range.
@@ -665,8 +669,7 @@ class ElChe:
         for key in ("samples", "misses", "batch_counts", "smoothed_ms"):
             state[key] = [state[key][old] for old in keep]
         state["history"] = [[row[old] for old in keep] for row in state["history"]]
-        old_anchor = self._anchor_rank
-        state["anchor_rank"] = None if old_anchor is None else new_index.get(old_anchor)
+        state["anchor_rank"] = new_index.get(self._anchor_rank, 0)
         pin = self._speed_pin
         state["speed_pin"] = [new_index[pin[0]], pin[1]] if pin and pin[0] in new_index else None
         ratios = self._partition_ratios
@@ -674,7 +677,7 @@ class ElChe:
         state["staged_anchor"] = None
 
         successor = ElChe.from_state(state)
-        if successor._anchor_rank is None:
+        if self._anchor_rank not in new_index:
             elected = elect_anchor(successor.smoothed_ms, None)
             if elected is None:
                 successor._resolve_pin()
@@ -785,9 +788,8 @@ class ElChe:
         elche._counts = counts
         elche._history = deque(history, maxlen=SHARE_HISTORY)
 
-        anchor_rank = _opt_int(d["anchor_rank"])
-        if anchor_rank is not None:
-            elche._check_rank(anchor_rank)
+        anchor_rank = int(d["anchor_rank"])
+        elche._check_rank(anchor_rank)
         elche._anchor_rank = anchor_rank
         elche._calibration_count = int(d["calibration_count"])
         elche._cap_binding = bool(d["cap_binding"])
@@ -830,9 +832,19 @@ def _check_cap(max_total: int | None) -> None:
 
 
 def _scale_down(counts: Sequence[int], limit: int) -> list[int]:
-    """Counts scaled by ``limit / sum(counts)``, floored, each at least 1 (exact integers)."""
+    """Counts scaled by ``limit / sum(counts)``, floored, each at least 1 (exact integers).
+
+    Where raising a count to 1 overshoots ``limit``, the overshoot is taken from the largest
+    counts, so the sum is at most ``max(limit, len(counts))``.
+    """
     total = sum(counts)
-    return [max(1, c * limit // total) for c in counts]
+    scaled = [max(1, c * limit // total) for c in counts]
+    for _ in range(sum(scaled) - limit):
+        largest = scaled.index(max(scaled))
+        if scaled[largest] == 1:
+            break
+        scaled[largest] -= 1
+    return scaled
 
 
 def _opt_int(value: Any) -> int | None:

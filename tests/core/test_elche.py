@@ -306,6 +306,20 @@ def test_lost_anchor_rank_is_replaced_at_once() -> None:
     assert elche.batch_counts == [10, 10, 16]
 
 
+def test_with_every_rank_lost_the_pin_stands_in() -> None:
+    elche = ElChe(2).with_speed_ratio(1, 2.0)
+    feed(elche, [50.0, 100.0])
+    for _ in range(5):
+        elche.report_timing([0.0, 0.0], [0, 0], 0.0)
+    assert elche.smoothed_ms == [None, None]
+    assert elche.anchor_rank == 1
+    assert elche.batch_counts == [20, 10]
+    # The first rank to report again is elected at once (the pinned rank counts as lost).
+    elche.report_timing([500.0, 0.0], [10, 0], 0.0)
+    assert elche.anchor_rank == 0
+    assert elche.batch_counts == [10, 10]
+
+
 # --- dead zone and step clamp ---------------------------------------------------------------
 
 
@@ -357,6 +371,21 @@ def test_window_cap_scales_down_and_gives_the_remainder_to_the_largest() -> None
     assert not elche.cap_binding
     assert feed(elche, [100.0, 50.0, 25.0]) == [10, 20, 40]
     assert not elche.cap_binding
+
+
+def test_window_cap_takes_overshoot_of_the_one_batch_floor_from_the_largest() -> None:
+    elche = ElChe(3, anchor=1, max_total_batches=3)
+    # Targets [1, 4, 1]: floor([3, 12, 3] / 6) = [0, 2, 0] -> [1, 2, 1] = 4 > 3: take 1 back.
+    assert feed(elche, [4.0, 1.0, 4.0]) == [1, 1, 1]
+
+
+def test_anchor_rank_is_exempt_from_the_dead_zone() -> None:
+    elche = ElChe(1, anchor=20, max_anchor=21, max_total_batches=20)
+    assert elche.relax_up()
+    assert elche.batch_counts == [20]  # the cap holds the anchor rank at 20
+    elche.set_max_total_batches(None)
+    # |21 - 20| is within 5% of 20, but the anchor rank always runs the anchor.
+    assert feed(elche, [100.0]) == [21]
 
 
 def test_window_cap_applies_from_the_start_and_keeps_one_batch_each() -> None:
