@@ -34,6 +34,7 @@ __all__ = [
     "TrendGuard",
     "Verdict",
     "guard_from_state",
+    "make_guard",
     "round_divergence",
 ]
 
@@ -285,6 +286,21 @@ class MsfGuard:
         if guard._samples < 0 or guard._suppress_streak < 0 or guard._nudge_streak < 0:
             raise CheckpointError("MsfGuard state holds a negative counter")
         return guard
+
+
+def make_guard(kind: str, threshold: float = 0.05) -> Guard:
+    """A fresh guard by name: "trend" (TrendGuard(threshold)), "none" or "msf".
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    if kind == "trend":
+        return TrendGuard(threshold)
+    if kind == "none":
+        return NoGuard()
+    if kind == "msf":
+        return MsfGuard()
+    raise ConfigError(f"unknown guard {kind!r} (expected 'trend', 'none' or 'msf')")
 
 
 def guard_from_state(d: Mapping[str, Any]) -> Guard:

@@ -17,6 +17,7 @@ from flodl.core.guards import (
     TrendGuard,
     Verdict,
     guard_from_state,
+    make_guard,
     round_divergence,
 )
 from flodl.errors import CheckpointError, ConfigError
@@ -231,3 +232,13 @@ def test_guard_from_state_dispatches_on_kind() -> None:
     assert isinstance(guard_from_state(MsfGuard().state()), MsfGuard)
     with pytest.raises(CheckpointError):
         guard_from_state({"kind": "oracle"})
+
+
+def test_make_guard_by_name() -> None:
+    trend = make_guard("trend", threshold=0.3)
+    assert isinstance(trend, TrendGuard)
+    assert trend.threshold == 0.3
+    assert isinstance(make_guard("none"), NoGuard)
+    assert isinstance(make_guard("msf"), MsfGuard)
+    with pytest.raises(ConfigError):
+        make_guard("oracle")
