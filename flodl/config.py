@@ -1,0 +1,141 @@
+"""Run settings: attrs classes with floDl's defaults, validated on construction.
+
+Every setting has a default a user can run with; a value out of range raises
+:class:`~flodl.errors.ConfigError` naming the setting. :func:`session_key_from_env` reads the
+session key from the environment or a file, never from the command line.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from flodl.core.cycle import Policy, default_reduce_stall_ceiling
+from flodl.core.liveness import MaxFailure
+from flodl.errors import ConfigError
+
+__all__ = [
+    "CoordinatorConfig",
+    "GuardKind",
+    "MaxFailure",
+    "Policy",
+    "check_session_key",
+    "session_key_from_env",
+]
+
+SESSION_KEY_ENV = "FLODL_SESSION_KEY"
+SESSION_KEY_FILE_ENV = "FLODL_SESSION_KEY_FILE"
+MIN_SESSION_KEY_BYTES = 16
+
+
+class GuardKind(enum.Enum):
+    """Which convergence guard judges each averaging round."""
+
+    TREND = "trend"
+    NONE = "none"
+    MSF = "msf"
+
+
+def _positive(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _optional_positive(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not value > 0:
+        raise ConfigError(f"{attribute.name} must be > 0 or None, got {value!r}")
+
+
+def _at_least_one(_inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{attribute.name} must be an integer >= 1, got {value!r}")
+
+
+def _optional_non_negative_int(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ConfigError(f"{attribute.name} must be an integer >= 0 or None, got {value!r}")
+
+
+@attrs.frozen
+class CoordinatorConfig:
+    """Everything the coordinator decides by. Defaults follow floDl v0.7+ unless noted."""
+
+    policy: Policy = attrs.field(default=Policy.CADENCE, converter=Policy)
+    heartbeat_interval: float = attrs.field(default=1.0, validator=_positive)
+    heartbeat_timeout: float = attrs.field(default=10.0, validator=_positive)
+    """Seconds of silence after which a rank is dead (floDl: 30 s; 10 s here)."""
+    handshake_timeout: float = attrs.field(default=10.0, validator=_positive)
+    reduce_stall_ceiling: float | None = attrs.field(default=None, validator=_optional_positive)
+    """None means ``max(10 x heartbeat_timeout, 300 s)``."""
+    rendezvous_retry: float = attrs.field(default=5.0, validator=_positive)
+    anchor: int = attrs.field(default=10, validator=_at_least_one)
+    max_anchor: int = attrs.field(default=1000, validator=_at_least_one)
+    overhead_target: float = attrs.field(default=0.05, validator=_positive)
+    max_batch_diff: int | None = attrs.field(default=None, validator=_optional_non_negative_int)
+    max_overshoot: int = attrs.field(default=3, validator=_at_least_one)
+    guard: GuardKind = attrs.field(default=GuardKind.TREND, converter=GuardKind)
+    trend_threshold: float = attrs.field(default=0.05, validator=_positive)
+    max_failure: MaxFailure | None = None
+    collective: bool = True
+    """True for gloo/nccl groups: fewer than 2 survivors cannot average (SingleSurvivor)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_anchor < self.anchor:
+            raise ConfigError(f"max_anchor ({self.max_anchor}) < anchor ({self.anchor})")
+        if self.heartbeat_interval >= self.heartbeat_timeout:
+            raise ConfigError(
+                f"heartbeat_interval ({self.heartbeat_interval} s) must be below "
+                f"heartbeat_timeout ({self.heartbeat_timeout} s)"
+            )
+
+    @property
+    def stall_ceiling(self) -> float:
+        """The reduce-stall ceiling in force (the setting, or its default)."""
+        if self.reduce_stall_ceiling is not None:
+            return self.reduce_stall_ceiling
+        return default_reduce_stall_ceiling(self.heartbeat_timeout)
+
+    @property
+    def window_wait_ceiling(self) -> float:
+        """Ceiling of the window-completion wait: heartbeat timeout + 2 s."""
+        return self.heartbeat_timeout + 2.0
+
+
+def check_session_key(key: bytes) -> bytes:
+    """Return ``key`` if it is long enough to authenticate a session; else raise ConfigError."""
+    if len(key) < MIN_SESSION_KEY_BYTES:
+        raise ConfigError(
+            f"session key must be at least {MIN_SESSION_KEY_BYTES} bytes, got {len(key)}"
+        )
+    return key
+
+
+def session_key_from_env(environ: dict[str, str] | None = None) -> bytes:
+    """The session key from ``FLODL_SESSION_KEY`` (hex) or the file ``FLODL_SESSION_KEY_FILE``.
+
+    Keys never travel on a command line, where other users could read them from the process
+    table. Raises ConfigError if neither is set or the key is malformed or too short.
+    """
+    env = os.environ if environ is None else environ
+    if SESSION_KEY_ENV in env:
+        try:
+            key = bytes.fromhex(env[SESSION_KEY_ENV].strip())
+        except ValueError:
+            raise ConfigError(f"{SESSION_KEY_ENV} must be hex") from None
+        return check_session_key(key)
+    if SESSION_KEY_FILE_ENV in env:
+        path = Path(env[SESSION_KEY_FILE_ENV])
+        try:
+            raw = path.read_bytes().strip()
+        except OSError as err:
+            raise ConfigError(f"cannot read session key file {path}: {err}") from None
+        try:
+            key = bytes.fromhex(raw.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            key = raw
+        return check_session_key(key)
+    raise ConfigError(f"no session key: set {SESSION_KEY_ENV} (hex) or {SESSION_KEY_FILE_ENV}")

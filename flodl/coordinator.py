@@ -1,0 +1,281 @@
+"""The coordinator's trio shell: listener, one task per rank, heartbeat, deadlines, effects.
+
+All decisions are made by :class:`flodl.core.machine.CoordinatorMachine`; this module only moves
+bytes and time into it and carries its effects out. One nursery owns every task:
+
+* the admission server (handshake under a deadline, unique ranks; :mod:`flodl.admission`);
+* per rank: a reader (frames -> machine) and a writer (an outbox -> frames), so a slow rank
+  never blocks a broadcast to the others;
+* the heartbeat task, which beats every ``heartbeat_interval`` whatever else is waiting;
+* the deadline task, which sleeps in a cancel scope until the machine's next deadline
+  (silence deaths, the window-completion ceiling, the stall ceiling, rendezvous retries).
+
+A rank that sends bad input is disconnected and handled as dead; it never takes the
+coordinator down. Usage::
+
+    async with open_coordinator("tcp://127.0.0.1:0", world_size=3, key=key) as coord:
+        print(coord.url)           # give this to the ranks
+        outcome = await coord.wait_finished()
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from flodl.admission import serve_ranks
+from flodl.config import CoordinatorConfig, check_session_key
+from flodl.core.effects import Broadcast, Send
+from flodl.core.machine import CoordinatorMachine, Disconnect, Effect, Outcome
+from flodl.core.timeline import Timeline
+from flodl.errors import FlodlError, ProtocolError
+from flodl.transports import open_listener
+from flodl.transports.channel import Channel
+from flodl.wire.messages import CoordHeartbeat, Message
+
+log = logging.getLogger("flodl.coordinator")
+
+OUTBOX_LIMIT = 4096
+"""Messages queued for one rank before it is judged too slow to keep up and disconnected."""
+
+
+@attrs.define
+class _RankLink:
+    rank: int
+    outbox: trio.MemorySendChannel[Message]
+    scope: trio.CancelScope
+
+
+class Coordinator:
+    """A running coordinator; obtained from :func:`open_coordinator`."""
+
+    def __init__(self, machine: CoordinatorMachine, config: CoordinatorConfig, url: str) -> None:
+        self._machine = machine
+        self._config = config
+        self.url = url
+        """The address ranks connect to (port 0 resolved)."""
+        self._links: dict[int, _RankLink] = {}
+        self._finished = trio.Event()
+        self._deadline_scope: trio.CancelScope | None = None
+        self._link_closed = trio.Event()
+        self.rank_errors: list[tuple[int | None, BaseException]] = []
+        """Every connection that ended in an error, in order (rank None: before the handshake)."""
+
+    # --- public ---------------------------------------------------------------------------
+
+    @property
+    def machine(self) -> CoordinatorMachine:
+        return self._machine
+
+    @property
+    def timeline(self) -> Timeline:
+        return self._machine.timeline
+
+    @property
+    def connected_ranks(self) -> frozenset[int]:
+        return frozenset(self._links)
+
+    async def wait_finished(self) -> Outcome:
+        """Wait until the run has ended (finished, stopped, or saved) and return how."""
+        await self._finished.wait()
+        return self._machine.outcome
+
+    def report_exit(self, rank: int, returncode: int) -> None:
+        """The launcher saw ``rank``'s process exit with ``returncode`` (feeds death detection)."""
+        self._perform(self._machine.on_exit_reported(rank, returncode, trio.current_time()))
+
+    def request_stop(self, save: bool = True) -> None:
+        """End the run: save first (ShutdownWithSave(GRACEFUL)) or just shut down."""
+        self._perform(self._machine.request_stop(trio.current_time(), save=save))
+
+    # --- tasks ----------------------------------------------------------------------------
+
+    async def serve_rank(self, rank: int, channel: Channel) -> None:
+        """Run one admitted rank's connection until it closes; errors end only this rank."""
+        outbox_send, outbox_receive = trio.open_memory_channel[Message](OUTBOX_LIMIT)
+        scope = trio.CancelScope()
+        link = _RankLink(rank, outbox_send, scope)
+        self._links[rank] = link
+        error: BaseException | None = None
+        try:
+            with scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._write_loop, channel, outbox_receive)
+                    self._perform(self._machine.on_connect(rank, trio.current_time()))
+                    await self._read_loop(rank, channel)
+                    nursery.cancel_scope.cancel()
+        except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError) as err:
+            error = err
+            raise
+        finally:
+            if self._links.get(rank) is link:
+                del self._links[rank]
+            outbox_send.close()
+            self._link_closed.set()
+            self._link_closed = trio.Event()
+            reason = "connection closed" if error is None else f"{type(error).__name__}: {error}"
+            self._perform(self._machine.on_disconnect(rank, trio.current_time(), reason))
+
+    async def _read_loop(self, rank: int, channel: Channel) -> None:
+        async for message in channel:
+            claimed = getattr(message, "rank", rank)
+            if claimed != rank:
+                raise ProtocolError(
+                    f"rank {rank} sent {type(message).__name__} claiming to be rank {claimed}"
+                )
+            self._perform(self._machine.on_message(rank, message, trio.current_time()))
+
+    async def _write_loop(
+        self, channel: Channel, outbox: trio.MemoryReceiveChannel[Message]
+    ) -> None:
+        async for message in outbox:
+            await channel.send(message)
+
+    async def heartbeat_loop(self) -> None:
+        """Beat every ``heartbeat_interval`` until the run ends; nothing else can delay it."""
+        interval = self._config.heartbeat_interval
+        beat = CoordHeartbeat()
+        next_beat = trio.current_time()
+        while not self._finished.is_set():
+            for link in list(self._links.values()):
+                self._enqueue(link, beat)
+            next_beat += interval
+            await trio.sleep_until(next_beat)
+
+    async def deadline_loop(self) -> None:
+        """Sleep until the machine's next deadline (moved earlier as events arrive), then tick."""
+        while not self._finished.is_set():
+            with trio.CancelScope(deadline=self._machine.next_deadline()) as scope:
+                self._deadline_scope = scope
+                await trio.sleep_forever()
+            self._deadline_scope = None
+            self._perform(self._machine.on_tick(trio.current_time()))
+
+    async def wait_all_hung_up(self) -> None:
+        """Wait until no rank connection is open."""
+        while self._links:
+            await self._link_closed.wait()
+
+    def on_rank_error(self, rank: int | None, error: BaseException) -> None:
+        log.warning("rank %s disconnected: %s: %s", rank, type(error).__name__, error)
+        self.rank_errors.append((rank, error))
+
+    # --- effects --------------------------------------------------------------------------
+
+    def _perform(self, effects: Iterable[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, Send):
+                link = self._links.get(effect.rank)
+                if link is not None:
+                    self._enqueue(link, effect.message)
+            elif isinstance(effect, Broadcast):
+                targets = self._links.keys() if effect.ranks is None else effect.ranks
+                for rank in list(targets):
+                    link = self._links.get(rank)
+                    if link is not None:
+                        self._enqueue(link, effect.message)
+            elif isinstance(effect, Disconnect):
+                link = self._links.get(effect.rank)
+                if link is not None:
+                    link.scope.cancel()
+        if self._machine.finished and not self._finished.is_set():
+            self._finished.set()
+        scope = self._deadline_scope
+        if scope is not None:
+            deadline = self._machine.next_deadline()
+            if deadline < scope.deadline:
+                scope.deadline = deadline
+
+    def _enqueue(self, link: _RankLink, message: Message) -> None:
+        try:
+            link.outbox.send_nowait(message)
+        except trio.WouldBlock:
+            log.warning(
+                "rank %d cannot keep up (%d messages queued): disconnecting",
+                link.rank,
+                OUTBOX_LIMIT,
+            )
+            link.scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
+@asynccontextmanager
+async def open_coordinator(
+    url: str,
+    world_size: int,
+    key: bytes,
+    config: CoordinatorConfig | None = None,
+    *,
+    signature: bytes | None = None,
+    local_ranks: frozenset[int] | None = None,
+    seed: int = 0,
+    linger: float = 5.0,
+) -> AsyncIterator[Coordinator]:
+    """Listen on ``url`` and coordinate ``world_size`` ranks until the block exits.
+
+    On exit from the block the coordinator waits up to ``linger`` seconds for ranks to hang up
+    after the run ended, then cancels every task and closes the listener. Cancellation of the
+    enclosing scope closes everything at once.
+    """
+    config = config or CoordinatorConfig()
+    check_session_key(key)
+    listener = await open_listener(url)
+    machine = CoordinatorMachine(
+        world_size,
+        config,
+        now=trio.current_time(),
+        local_ranks=frozenset(range(world_size)) if local_ranks is None else local_ranks,
+        seed=seed,
+    )
+    coordinator = Coordinator(machine, config, listener.url)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(coordinator.deadline_loop)
+            nursery.start_soon(coordinator.heartbeat_loop)
+            await nursery.start(
+                _serve,
+                listener,
+                key,
+                world_size,
+                coordinator,
+                signature,
+                config.handshake_timeout,
+            )
+            yield coordinator
+            with trio.move_on_after(linger):
+                await coordinator.wait_finished()
+                await coordinator.wait_all_hung_up()
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await listener.aclose()
+
+
+async def _serve(
+    listener: object,
+    key: bytes,
+    world_size: int,
+    coordinator: Coordinator,
+    signature: bytes | None,
+    handshake_timeout: float,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    await serve_ranks(
+        listener,  # type: ignore[arg-type]
+        key,
+        world_size,
+        coordinator.serve_rank,
+        signature=signature,
+        handshake_timeout=handshake_timeout,
+        on_rank_error=coordinator.on_rank_error,
+        task_status=task_status,
+    )
+
+
+__all__ = ["Coordinator", "open_coordinator"]

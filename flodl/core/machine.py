@@ -1,0 +1,740 @@
+"""The coordinator's decisions, composed: one pure state machine driven by events and time.
+
+:class:`CoordinatorMachine` wires ElChe (cadence), a guard, the averaging cycle, liveness,
+rendezvous and the epoch chunk pools into the behaviour of a floDl coordinator. The trio shell
+(:mod:`flodl.coordinator`) feeds it events with the current time and performs the effects it
+returns; the machine never waits, sleeps or sends. That makes every rule testable with plain
+calls, and lets one process simulate thousands of ranks.
+
+Lifecycle: JOINING (every rank connects and sends :class:`~flodl.wire.messages.Ready`) ->
+FORMING (generation 0 of the group: RequestNewGroup / NewGroupReady / NewGroupSession) ->
+TRAINING (windows of ElChe counts; a round averages them) <-> REFORMING (after a death the
+survivors form the next generation, then redo the interrupted round) -> FINISHED (all epochs
+done and Shutdown sent, or a ShutdownWithSave because the run cannot go on).
+
+Work protocol (what ranks must do, see also :mod:`flodl.core.partitions`): a rank works through
+the sample ranges it is given (StartEpoch, ExtendPartition) in order, one ``Batch`` report per
+finished batch; when it has nothing left it sends one ``Metrics`` report for the chunk it just
+finished (its *completion frame*, carrying the chunk's delivered wall time) and waits. After a
+collective it bumps its step count, so its next report acknowledges the round.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from flodl.config import CoordinatorConfig
+from flodl.core.cycle import Cycle, Policy
+from flodl.core.effects import Broadcast, Send
+from flodl.core.elche import ElChe, RankWindow
+from flodl.core.guards import Guard, make_guard
+from flodl.core.liveness import Liveness, LossCause, RankLost, unrecoverable_reason
+from flodl.core.partitions import ChunkPool
+from flodl.core.rendezvous import Rendezvous
+from flodl.core.timeline import EventKind, Timeline
+from flodl.wire.messages import (
+    Batch,
+    CheckpointResult,
+    DeclareDead,
+    EpochAggregated,
+    Exiting,
+    ExtendPartition,
+    Heartbeat,
+    Intent,
+    IntentKind,
+    LrUpdate,
+    Message,
+    Metrics,
+    NewGroupReady,
+    Note,
+    Ready,
+    SaveReason,
+    Shutdown,
+    ShutdownWithSave,
+    StartEpoch,
+    SyncAck,
+)
+from flodl.wire.messages import Checkpoint as CheckpointRequest
+
+
+@attrs.frozen
+class Disconnect:
+    """Close ``rank``'s connection (it misbehaved); the shell then reports the disconnect."""
+
+    rank: int
+    reason: str
+
+
+Effect = Send | Broadcast | Disconnect
+
+
+class Phase(enum.Enum):
+    JOINING = "joining"
+    FORMING = "forming"
+    TRAINING = "training"
+    REFORMING = "reforming"
+    FINISHED = "finished"
+
+
+class Status(enum.Enum):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    SAVED = "saved"
+    FAILED = "failed"
+
+
+@attrs.frozen
+class Outcome:
+    """How the run ended (``status`` RUNNING until it has)."""
+
+    status: Status
+    save_reason: SaveReason | None = None
+    message: str = ""
+
+
+@attrs.frozen
+class Job:
+    """What every rank trains: samples per epoch, batch size, number of epochs."""
+
+    dataset_size: int
+    batch_size: int
+    epochs: int
+
+
+@attrs.define
+class RankStats:
+    """Per-rank counters kept for summaries."""
+
+    batches: int = 0
+    syncs: int = 0
+    last_loss: float = math.nan
+    lr: float | None = None
+    joined_at: float | None = None
+    lost_at: float | None = None
+    loss_cause: str | None = None
+
+
+@attrs.define
+class _Window:
+    """What one rank did in the current window (reset at each round)."""
+
+    batches: int = 0
+    fill_ms: float = 0.0
+    compute_ms: float = 0.0
+    delivered_ms: float = 0.0
+    chunk_reports: int = 0
+
+
+@attrs.define
+class _EpochTally:
+    loss_sum: float = 0.0
+    batches: int = 0
+    samples: int = 0
+    wall_ms: dict[int, float] = attrs.field(factory=dict)
+    scalars: dict[str, list[float]] = attrs.field(factory=dict)
+
+
+class CoordinatorMachine:
+    """All of the coordinator's decisions for a run of ``world_size`` ranks.
+
+    Every ``on_*`` method takes the current time and returns the effects to perform, in order.
+    ``next_deadline()`` says when :meth:`on_tick` must be called at the latest if nothing else
+    happens. Misbehaving ranks are answered with a :class:`Disconnect` effect, never an
+    exception: the machine keeps serving the honest ranks.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        config: CoordinatorConfig,
+        *,
+        now: float,
+        local_ranks: frozenset[int] = frozenset(),
+        seed: int = 0,
+        join_timeout: float = 300.0,
+    ) -> None:
+        self.world_size = world_size
+        self.config = config
+        self.seed = seed
+        self.timeline = Timeline()
+        self.phase = Phase.JOINING
+        self.outcome = Outcome(Status.RUNNING)
+        self.job: Job | None = None
+        self.stats = [RankStats() for _ in range(world_size)]
+        self.epoch_results: list[dict[str, Any]] = []
+        self.recoveries: list[dict[str, float]] = []
+        policy = config.policy
+        self._progressive = policy is not Policy.SYNC
+        # Sync runs windows of exactly one batch per rank through the count trigger, so the
+        # epoch's tail (where some ranks get no batch) is handled by the quiesced exemption.
+        self.cycle = Cycle(
+            world_size,
+            Policy.ASYNC if policy is Policy.ASYNC else Policy.CADENCE,
+            reduce_stall_ceiling=config.stall_ceiling,
+            heartbeat_timeout=config.heartbeat_timeout,
+            max_batch_diff=config.max_batch_diff,
+            max_overshoot=config.max_overshoot,
+        )
+        self.liveness = Liveness(world_size, heartbeat_timeout=config.heartbeat_timeout, now=now)
+        self.rendezvous = Rendezvous(
+            world_size, local_ranks=local_ranks, retry_timeout=config.rendezvous_retry
+        )
+        self.guard: Guard = make_guard(config.guard.value, config.trend_threshold)
+        self.elche = self._new_elche(world_size)
+        self.members: tuple[int, ...] = ()
+        self.pool: ChunkPool | None = None
+        self._ready: set[int] = set()
+        self._plan = [0] * world_size
+        self._windows = [_Window() for _ in range(world_size)]
+        self._awaiting_completion: set[int] = set()
+        self._window_wait_until: float | None = None
+        self._divergences: list[float] = []
+        self._tallies: dict[int, _EpochTally] = {}
+        self._aggregated: set[int] = set()
+        self._join_deadline: float | None = now + join_timeout
+        self._shutdown_pending = False
+        self._checkpoint_requests: set[int] = set()
+        self._checkpoint_version = 0
+        self._deaths_pending_recovery: list[tuple[int, float]] = []
+        self._formed_generation: int | None = None
+
+    # --- construction helpers -------------------------------------------------------------
+
+    def _new_elche(self, size: int) -> ElChe:
+        c = self.config
+        return ElChe(
+            max(size, 1),
+            anchor=c.anchor,
+            max_anchor=c.max_anchor,
+            overhead_target=c.overhead_target,
+            max_batch_diff=c.max_batch_diff,
+            sync_policy=c.policy is Policy.SYNC,
+        )
+
+    # --- queries --------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    @property
+    def alive(self) -> frozenset[int]:
+        return self.liveness.alive
+
+    def counts(self) -> dict[int, int]:
+        """ElChe's batch count per member (global rank -> batches per window)."""
+        if self.config.policy is Policy.SYNC:
+            return dict.fromkeys(self.members, 1)
+        counts = self.elche.batch_counts
+        return {rank: counts[i] for i, rank in enumerate(self.members)}
+
+    def ms_per_batch(self) -> dict[int, float]:
+        smoothed = self.elche.smoothed_ms if len(self.members) == self.elche.world_size else []
+        return {
+            rank: ms for rank, ms in zip(self.members, smoothed, strict=False) if ms is not None
+        }
+
+    def next_deadline(self) -> float:
+        """The latest time at which :meth:`on_tick` must run (``inf`` when nothing is due)."""
+        if self.finished:
+            return math.inf
+        candidates = [
+            self.liveness.next_deadline(),
+            self.cycle.next_deadline(),
+            self.rendezvous.next_deadline(),
+            self._window_wait_until,
+            self._join_deadline,
+        ]
+        return min((d for d in candidates if d is not None), default=math.inf)
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """The coordinator's part of a checkpoint (spec §6 CheckpointMeta, schema 3)."""
+        return {
+            "schema_version": 3,
+            "epoch": self.pool.epoch if self.pool is not None else 0,
+            "global_step": self.cycle.global_step,
+            "sync_round": self.cycle.round,
+            "world_size_at_save": len(self.members) or self.world_size,
+            "save_reason": None
+            if self.outcome.save_reason is None
+            else self.outcome.save_reason.name,
+            "elche_state": self.elche.state(),
+            "guard_state": self.guard.state(),
+        }
+
+    # --- events: connections ----------------------------------------------------------------
+
+    def on_connect(self, rank: int, now: float) -> list[Effect]:
+        """``rank`` completed its handshake."""
+        if self.finished:
+            return [Send(rank, Shutdown())]
+        if self.phase is not Phase.JOINING:
+            # Joining a running job (growing the group) is not supported yet: refuse clearly.
+            return [Disconnect(rank, "the run is already training; late joins are not supported")]
+        self.liveness.admit(rank, now)
+        self.stats[rank].joined_at = now
+        self.timeline.add(now, EventKind.RANK_JOINED, rank=rank)
+        return []
+
+    def on_disconnect(self, rank: int, now: float, reason: str = "") -> list[Effect]:
+        """``rank``'s connection closed or broke: it is lost at once."""
+        self._ready.discard(rank)
+        loss = self.liveness.on_disconnect(rank, now)
+        if loss is None:
+            return []
+        return self._handle_losses([loss], now, reason)
+
+    def on_exit_reported(self, rank: int, returncode: int, now: float) -> list[Effect]:
+        """The launcher saw ``rank``'s process exit."""
+        if returncode == 0 and self.liveness.is_exiting(rank):
+            return []
+        loss = self.liveness.on_disconnect(rank, now)
+        if loss is None:
+            return []
+        return self._handle_losses([loss], now, f"process exited with code {returncode}")
+
+    def request_stop(self, now: float, save: bool = True) -> list[Effect]:
+        """End the run now: with a save (ShutdownWithSave(GRACEFUL)) or a plain Shutdown."""
+        if self.finished:
+            return []
+        if save:
+            return self._save(SaveReason.GRACEFUL, now, "stop requested")
+        return self._shutdown(now, "stop requested")
+
+    # --- events: messages -------------------------------------------------------------------
+
+    def on_message(self, rank: int, message: Message, now: float) -> list[Effect]:
+        """One message from ``rank`` (whose identity the shell verified)."""
+        self.liveness.on_frame(rank, now)
+        if self.finished:
+            return []
+        if isinstance(message, Batch):
+            return self._on_batch(rank, message, now)
+        if isinstance(message, SyncAck):
+            return self._on_ack(rank, message, now)
+        if isinstance(message, Metrics):
+            return self._on_metrics(rank, message, now)
+        if isinstance(message, Heartbeat):
+            return []
+        if isinstance(message, Ready):
+            return self._on_ready(rank, message, now)
+        if isinstance(message, NewGroupReady):
+            return self._on_group_ready(message, now)
+        if isinstance(message, Exiting):
+            self.liveness.on_exiting(rank, now)
+            return []
+        if isinstance(message, LrUpdate):
+            self.stats[rank].lr = message.lr
+            return []
+        if isinstance(message, Intent):
+            if message.kind is IntentKind.CHECKPOINT_NOW:
+                self._checkpoint_requests.add(rank)
+            return []
+        if isinstance(message, CheckpointResult | Note):
+            return []
+        return [Disconnect(rank, f"unexpected {type(message).__name__} from a rank")]
+
+    def on_tick(self, now: float) -> list[Effect]:
+        """Act on every deadline that has passed by ``now``."""
+        if self.finished:
+            return []
+        effects: list[Effect] = []
+        if self._join_deadline is not None and now >= self._join_deadline:
+            missing = sorted(set(range(self.world_size)) - self._ready)
+            return self._fail(now, f"ranks {missing} did not join in time")
+        losses = self.liveness.check(now)
+        if losses:
+            effects += self._handle_losses(losses, now, "silent past the heartbeat timeout")
+            if self.finished:
+                return effects
+        if self.cycle.check_stall(now):
+            return effects + self._save(
+                SaveReason.REDUCE_STALL, now, "averaging round unacknowledged past the ceiling"
+            )
+        effects += self._after_rendezvous(self.rendezvous.poll(now, self._eligible()), now)
+        if self._window_wait_until is not None and now >= self._window_wait_until:
+            effects += self._start_round(now, delivered=False)
+        return effects
+
+    # --- joining and forming ----------------------------------------------------------------
+
+    def _on_ready(self, rank: int, ready: Ready, now: float) -> list[Effect]:
+        if self.phase is not Phase.JOINING:
+            return []
+        if ready.batch_size < 1 or ready.epochs < 1 or ready.dataset_size < ready.batch_size:
+            return [Disconnect(rank, f"rank {rank} described an empty job: {ready}")]
+        job = Job(ready.dataset_size, ready.batch_size, ready.epochs)
+        if self.job is None:
+            self.job = job
+        elif job != self.job:
+            return [Disconnect(rank, f"rank {rank} describes job {job}, others {self.job}")]
+        self._ready.add(rank)
+        if len(self._ready & self.alive) < self.world_size:
+            return []
+        self._join_deadline = None
+        self.phase = Phase.FORMING
+        return self._after_rendezvous(self.rendezvous.form_initial(now), now)
+
+    def _eligible(self) -> frozenset[int]:
+        """Ranks that may be in the next group: alive and (once training) already members."""
+        if self.phase is Phase.FORMING:
+            return self.alive
+        return self.alive & frozenset(self.members)
+
+    def _on_group_ready(self, reply: NewGroupReady, now: float) -> list[Effect]:
+        return self._after_rendezvous(self.rendezvous.on_ready(now, reply, self._eligible()), now)
+
+    def _after_rendezvous(self, effects: Sequence[Any], now: float) -> list[Effect]:
+        """Pass on rendezvous effects; notice a finished formation or an exhausted one."""
+        out: list[Effect] = []
+        for effect in effects:
+            if isinstance(effect, Broadcast) and isinstance(effect.message, ShutdownWithSave):
+                return out + self._save(effect.message.reason, now, "no group could be formed")
+            out.append(effect)
+        generation = self.rendezvous.generation
+        if (
+            generation is not None
+            and generation != self._formed_generation
+            and not self.rendezvous.pending
+            and not self.finished
+        ):
+            self._formed_generation = generation
+            out += self._group_formed(now)
+        return out
+
+    def _group_formed(self, now: float) -> list[Effect]:
+        new_members = self.rendezvous.members
+        generation = self.rendezvous.generation
+        assert generation is not None
+        effects: list[Effect] = []
+        if self.phase is Phase.FORMING:
+            self.members = new_members
+            self.elche = self._new_elche(len(new_members))
+            self.phase = Phase.TRAINING
+            effects += self._begin_epoch(0, now)
+            return effects
+        old_index = {rank: i for i, rank in enumerate(self.members)}
+        self.elche = self.elche.for_survivors([old_index[r] for r in new_members])
+        self.members = new_members
+        self.phase = Phase.TRAINING
+        self.timeline.add(
+            now, EventKind.GROUP_REFORMED, generation=generation, members=list(new_members)
+        )
+        if not self.cycle.settled:
+            started = self.cycle.redo_round(now, generation)
+            self.timeline.add(now, EventKind.SYNC_START, round=started.round, redo=True)
+            effects += list(started.effects)
+        else:
+            effects += self._maybe_trigger(now)
+        return effects
+
+    # --- training ---------------------------------------------------------------------------
+
+    def _begin_epoch(self, epoch: int, now: float) -> list[Effect]:
+        assert self.job is not None
+        self.pool = ChunkPool(epoch, self.job.dataset_size, self.job.batch_size)
+        self._tallies.setdefault(epoch, _EpochTally())
+        return self._dispatch_window()
+
+    def _dispatch_window(self) -> list[Effect]:
+        assert self.pool is not None
+        if self._progressive:
+            self.elche.set_max_total_batches(max(self.pool.remaining_batches, 1))
+        plan = self.counts()
+        self._plan = [0] * self.world_size
+        effects: list[Effect] = []
+        for rank, message in self.pool.dispatch_window(plan):
+            self._plan[rank] = _batches(message, self.pool)
+            effects.append(Send(rank, message))
+        return effects
+
+    def _on_batch(self, rank: int, batch: Batch, now: float) -> list[Effect]:
+        stats = self.stats[rank]
+        stats.batches += 1
+        stats.last_loss = batch.batch_loss
+        if rank not in self.members or self.pool is None:
+            return []
+        window = self._windows[rank]
+        wall = batch.batch_ms + batch.data_ms
+        if window.batches == 0:
+            window.fill_ms = wall
+        else:
+            window.compute_ms += batch.batch_ms
+        window.batches += 1
+        tally = self._tallies.setdefault(self.pool.epoch, _EpochTally())
+        tally.loss_sum += batch.batch_loss if math.isfinite(batch.batch_loss) else 0.0
+        tally.batches += 1
+        if self.pool.ledger.in_flight(rank) > 0:
+            self.pool.complete(rank)
+            if self.pool.ledger.in_flight(rank) == 0:
+                self._awaiting_completion.add(rank)
+        settled = self.cycle.on_batch(now, batch)
+        effects: list[Effect] = []
+        if settled:
+            effects += self._round_settled(now)
+        effects += self.cycle.throttle()
+        effects += self._maybe_trigger(now)
+        return effects
+
+    def _on_metrics(self, rank: int, metrics: Metrics, now: float) -> list[Effect]:
+        if rank not in self.members:
+            return []
+        window = self._windows[rank]
+        window.delivered_ms += metrics.epoch_ms
+        window.chunk_reports += 1
+        self._awaiting_completion.discard(rank)
+        tally = self._tallies.setdefault(metrics.epoch, _EpochTally())
+        tally.samples += metrics.samples_processed
+        tally.wall_ms[rank] = tally.wall_ms.get(rank, 0.0) + metrics.epoch_ms
+        for name, value in metrics.scalars:
+            tally.scalars.setdefault(name, []).append(value)
+        effects = self._maybe_aggregate(now)
+        if self._window_wait_until is not None and not self._movers_awaited():
+            effects += self._start_round(now, delivered=True)
+        else:
+            effects += self._maybe_trigger(now)
+        return effects
+
+    def _on_ack(self, rank: int, ack: SyncAck, now: float) -> list[Effect]:
+        if ack.round == self.cycle.round and ack.divergence is not None:
+            self._divergences.append(ack.divergence)
+        if ack.round == self.cycle.round:
+            self.stats[rank].syncs += 1
+        effects: list[Effect] = []
+        if self.cycle.on_sync_ack(now, ack):
+            effects += self._round_settled(now)
+        effects += self._maybe_trigger(now)
+        return effects
+
+    def _movers_awaited(self) -> bool:
+        return bool(self._awaiting_completion & self.alive & frozenset(self.members))
+
+    def _maybe_trigger(self, now: float) -> list[Effect]:
+        if (
+            self.phase is not Phase.TRAINING
+            or self.pool is None
+            or self.rendezvous.pending
+            or self._window_wait_until is not None
+            or not self.cycle.settled
+        ):
+            return []
+        quiesced = frozenset(r for r in self.members if self.pool.is_quiesced(r))
+        if not self.cycle.ready(self._plan, quiesced):
+            if self._all_work_done() and self.cycle.settled:
+                return self._finish_or_next_epoch(now)
+            return []
+        if self.config.policy is Policy.CADENCE and self._movers_awaited():
+            self._window_wait_until = now + self.config.window_wait_ceiling
+            return []
+        return self._start_round(now, delivered=self._progressive)
+
+    def _all_work_done(self) -> bool:
+        return self.pool is not None and self.pool.done() and not any(self.cycle.steps)
+
+    def _start_round(self, now: float, *, delivered: bool) -> list[Effect]:
+        self._window_wait_until = None
+        generation = self.rendezvous.generation or 0
+        started = self.cycle.start_round(now, generation)
+        effects: list[Effect] = list(started.effects)
+        self.timeline.add(now, EventKind.SYNC_START, round=started.round, steps=list(started.steps))
+        self._feed_elche(started.steps, delivered, now)
+        self._windows = [_Window() for _ in range(self.world_size)]
+        self._awaiting_completion.clear()
+        assert self.pool is not None
+        if self.pool.drained:
+            return effects
+        return effects + self._dispatch_window()
+
+    def _feed_elche(self, steps: Sequence[int], delivered: bool, now: float) -> None:
+        if self.config.policy is Policy.SYNC:
+            return
+        windows: list[RankWindow | None] = []
+        for rank in self.members:
+            w = self._windows[rank]
+            if steps[rank] == 0:
+                windows.append(None)
+                continue
+            delivered_ms = w.delivered_ms - w.fill_ms if w.chunk_reports and delivered else None
+            if delivered_ms is not None and delivered_ms <= 0:
+                delivered_ms = None
+            windows.append(RankWindow(w.batches, w.fill_ms, w.compute_ms, delivered_ms))
+        anchor_before = self.elche.anchor
+        reduce_ms = (self.cycle.last_sync_duration or 0.0) * 1000.0
+        self.elche.report_window(windows, reduce_ms, use_delivered=delivered)
+        verdict = self.guard.report(
+            self._divergences, k_used=sum(steps), k_max=max(steps, default=0)
+        )
+        self._divergences = []
+        self.elche.apply_verdict(verdict)
+        if self.elche.anchor != anchor_before:
+            self.timeline.add(
+                now,
+                EventKind.ANCHOR_CHANGED,
+                before=anchor_before,
+                after=self.elche.anchor,
+            )
+
+    def _round_settled(self, now: float) -> list[Effect]:
+        duration = self.cycle.last_sync_duration or 0.0
+        self.timeline.add(now, EventKind.SYNC_END, round=self.cycle.round, duration_s=duration)
+        for rank, died_at in self._deaths_pending_recovery:
+            self.recoveries.append({"rank": rank, "detected_at": died_at, "recovered_at": now})
+        self._deaths_pending_recovery = []
+        effects: list[Effect] = []
+        for rank in sorted(self._checkpoint_requests & frozenset(self.members)):
+            self._checkpoint_version += 1
+            effects.append(
+                Send(rank, CheckpointRequest(version=self._checkpoint_version, target_rank=rank))
+            )
+        self._checkpoint_requests.clear()
+        if self._shutdown_pending:
+            return effects + self._shutdown(now, "stop requested")
+        return effects + self._maybe_aggregate(now)
+
+    def _finish_or_next_epoch(self, now: float) -> list[Effect]:
+        assert self.pool is not None and self.job is not None
+        effects = self._maybe_aggregate(now)
+        if self.finished:
+            return effects
+        next_epoch = self.pool.epoch + 1
+        if next_epoch < self.job.epochs:
+            return effects + self._begin_epoch(next_epoch, now)
+        return effects + self._shutdown(now, "all epochs done")
+
+    def _maybe_aggregate(self, now: float) -> list[Effect]:
+        pool = self.pool
+        if pool is None or pool.epoch in self._aggregated or not pool.done():
+            return []
+        if self._movers_awaited():
+            return []
+        epoch = pool.epoch
+        self._aggregated.add(epoch)
+        tally = self._tallies.get(epoch, _EpochTally())
+        avg_loss = tally.loss_sum / tally.batches if tally.batches else math.nan
+        epoch_ms = max(tally.wall_ms.values(), default=0.0)
+        throughput = []
+        for rank in self.members:
+            done = pool.ledger.completed(rank) * pool.ledger.batch_size
+            wall = tally.wall_ms.get(rank, 0.0)
+            throughput.append(done / (wall / 1000.0) if wall > 0 else 0.0)
+        scalars = {k: sum(v) / len(v) for k, v in tally.scalars.items() if v}
+        result = {
+            "epoch": epoch,
+            "avg_loss": avg_loss,
+            "samples": tally.samples,
+            "epoch_ms": epoch_ms,
+            **scalars,
+        }
+        self.epoch_results.append(result)
+        self.timeline.add(now, EventKind.EPOCH_AGGREGATED, **result)
+        message = EpochAggregated(
+            epoch=epoch,
+            avg_loss=avg_loss,
+            samples=tally.samples,
+            epoch_ms=epoch_ms,
+            rank_throughput=tuple(throughput),
+            scalars=tuple(sorted(scalars.items())),
+        )
+        return [Broadcast(message, self.members)]
+
+    # --- losses -----------------------------------------------------------------------------
+
+    def _handle_losses(self, losses: Sequence[RankLost], now: float, why: str) -> list[Effect]:
+        effects: list[Effect] = []
+        for loss in losses:
+            stats = self.stats[loss.rank]
+            stats.lost_at = now
+            stats.loss_cause = loss.cause.value
+            self._ready.discard(loss.rank)
+            self.timeline.add(
+                now, EventKind.RANK_DEAD, rank=loss.rank, cause=loss.cause.value, why=why
+            )
+        if self.phase in (Phase.JOINING, Phase.FINISHED):
+            return effects
+        lost = [loss.rank for loss in losses if loss.rank in self.members]
+        survivors = tuple(r for r in self.members if self.liveness.is_alive(r))
+        if self.phase is Phase.FORMING:
+            if unrecoverable := self._unrecoverable():
+                return self._save(unrecoverable, now, why)
+            return self._after_rendezvous(self.rendezvous.poll(now, self.alive), now)
+        for rank in lost:
+            effects.append(Broadcast(DeclareDead(rank=rank), survivors))
+            self.cycle.drop_rank(now, rank)
+            if loss_is_failure(losses, rank):
+                self._deaths_pending_recovery.append((rank, now))
+            if self.pool is not None and survivors:
+                for target, extension in self.pool.reassign(rank, survivors):
+                    self._plan[target] += _batches(extension, self.pool)
+                    effects.append(Send(target, extension))
+            self._awaiting_completion.discard(rank)
+        if unrecoverable := self._unrecoverable():
+            return effects + self._save(unrecoverable, now, why)
+        if not lost:
+            return effects
+        if all_exited(losses) and self._all_work_done():
+            return effects + self._maybe_trigger(now)
+        self.cycle.abandon_round()
+        self.phase = Phase.REFORMING
+        self._window_wait_until = None
+        if self.rendezvous.pending:
+            retried = self.rendezvous.poll(now, self._eligible())
+            return effects + self._after_rendezvous(retried, now)
+        return effects + self._after_rendezvous(
+            self.rendezvous.begin(now, survivors, ms_per_batch=self.ms_per_batch()), now
+        )
+
+    def _unrecoverable(self) -> SaveReason | None:
+        return unrecoverable_reason(
+            world_size=self.world_size,
+            alive=len(self.alive),
+            failures=self.liveness.failures,
+            max_failure=self.config.max_failure,
+            collective=self.config.collective,
+        )
+
+    # --- endings ----------------------------------------------------------------------------
+
+    def _save(self, reason: SaveReason, now: float, why: str) -> list[Effect]:
+        self.phase = Phase.FINISHED
+        self._window_wait_until = None
+        self.outcome = Outcome(Status.SAVED, reason, why)
+        self.timeline.add(now, EventKind.SAVE_REQUESTED, reason=reason.name, why=why)
+        return [Broadcast(ShutdownWithSave(reason=reason))]
+
+    def _shutdown(self, now: float, why: str) -> list[Effect]:
+        if not self.cycle.may_shutdown():
+            self._shutdown_pending = True
+            return []
+        self.phase = Phase.FINISHED
+        self.outcome = Outcome(Status.COMPLETED, None, why)
+        self.timeline.add(now, EventKind.SHUTDOWN, why=why)
+        return [Broadcast(Shutdown())]
+
+    def _fail(self, now: float, why: str) -> list[Effect]:
+        self.phase = Phase.FINISHED
+        self.outcome = Outcome(Status.FAILED, None, why)
+        self.timeline.add(now, EventKind.SHUTDOWN, why=why)
+        return [Broadcast(Shutdown())]
+
+
+def _batches(message: StartEpoch | ExtendPartition, pool: ChunkPool) -> int:
+    size = message.partition_size if isinstance(message, StartEpoch) else message.size
+    batch = pool.ledger.batch_size
+    return -(-size // batch)
+
+
+def loss_is_failure(losses: Sequence[RankLost], rank: int) -> bool:
+    return any(loss.rank == rank and loss.cause is not LossCause.EXITED for loss in losses)
+
+
+def all_exited(losses: Sequence[RankLost]) -> bool:
+    return all(loss.cause is LossCause.EXITED for loss in losses)
+
+
+def counts_by_rank(members: Sequence[int], counts: Sequence[int]) -> Mapping[int, int]:
+    return dict(zip(members, counts, strict=True))
