@@ -6,6 +6,7 @@ multi-process tests show the same across real processes.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -192,3 +193,14 @@ async def test_nccl_two_devices_average_and_survive_a_cancel() -> None:
     finally:
         for b in backends:
             await b.close()
+
+
+async def test_gloo_group_outlives_the_generators_store(pair: list[GlooBackend]) -> None:
+    """Design check: once formed, a gloo group needs no store (the backend keeps it anyway)."""
+    await form(pair, 0)
+    pair[0]._hosted.clear()  # drop the master store server of generation 0
+    gc.collect()
+    models = [model(1.0), model(3.0)]
+    for _ in range(2):
+        await average_all(pair, models, [1, 1])
+    assert all(torch.equal(p, torch.full_like(p, 2.0)) for m in models for p in m[0])
