@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flodl.backends.averaging import (
     FlatLayout,
@@ -169,3 +171,28 @@ def test_bit_checksum_sees_single_bit_changes() -> None:
     assert bit_checksum(a) != bit_checksum(b)
     assert bit_checksum(torch.tensor([0.0])) != bit_checksum(torch.tensor([-0.0]))
     assert bit_checksum(a.double()) == bit_checksum(a.double().clone())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(-100, 100, width=32), min_size=1, max_size=4),
+    batch_pool=st.lists(st.integers(0, 50), min_size=4, max_size=4),
+    gamma=st.sampled_from([1.0, 0.0, -1.0, 0.5]),
+)
+def test_round_matches_the_weighted_mean_and_is_identical_on_every_rank(
+    values: list[float], batch_pool: list[int], gamma: float
+) -> None:
+    batches = batch_pool[: len(values)]
+    ranks = [make_rank(v, v, 0) for v in values]
+    simulate_round(ranks, batches, gamma)
+    masses = [mass_of(n, gamma) for n in batches]
+    total = sum(masses)
+    if total == 0:  # nobody moved: everyone keeps its own values
+        assert [r[0][0][0].item() for r in ranks] == values
+        return
+    for params, _ in ranks:
+        assert torch.equal(params[0], ranks[0][0][0])  # bitwise identical everywhere
+    expected = sum(m * v for m, v in zip(masses, values, strict=True)) / total
+    assert ranks[0][0][0][0].item() == pytest.approx(expected, rel=1e-5, abs=1e-4)
+    movers = [v for v, n in zip(values, batches, strict=True) if n > 0]
+    assert ranks[0][1][0][0].item() == pytest.approx(sum(movers) / len(movers), rel=1e-5, abs=1e-4)

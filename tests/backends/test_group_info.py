@@ -9,9 +9,11 @@ import cbor2
 import pytest
 
 from flodl.backends import open_backend, resolve_backend_name
+from flodl.backends.gloo import GlooBackend
 from flodl.backends.group import GroupInfo
 from flodl.backends.nccl import NcclBackend, nccl_usable
 from flodl.errors import BackendError, ConfigError
+from flodl.wire.messages import NewGroupSession, from_payload, to_payload
 
 
 def test_info_round_trips_canonically() -> None:
@@ -62,3 +64,16 @@ def test_importing_backends_does_not_import_torch() -> None:
     code = "import sys, flodl.backends, flodl.backends.base; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+async def test_prepared_info_travels_in_new_group_session() -> None:
+    backend = GlooBackend()
+    try:
+        info = backend.prepare_group(4, "127.0.0.1")
+        session = NewGroupSession(generation=4, new_rank=1, new_world_size=2, info=info)
+        assert from_payload(NewGroupSession.TAG, to_payload(session)) == session
+        parsed = GroupInfo.decode(info)
+        assert parsed.host == "127.0.0.1" and parsed.prefix.startswith("flodl/gen4/")
+        assert 0 < parsed.port < 65536
+    finally:
+        await backend.close()
