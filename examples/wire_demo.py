@@ -97,19 +97,26 @@ class Coordinator:
 
 
 async def run_rank(url: str, key: bytes, rank: int, seconds: float) -> int:
-    """One rank: batches at its own speed, heartbeats, sync acks. Returns batches run."""
+    """One rank: batches at its own speed, heartbeats, sync acks. Returns batches run.
+
+    The helper tasks are never cancelled in the middle of a send (that would leave half a
+    frame on the wire and poison the channel): they stop once ``done`` is set, and the
+    receiving task ends when the coordinator closes the connection after ``Exiting``.
+    """
     channel = await connect_rank(await connect(url), key, rank, WORLD)
     steps = 0
+    done = trio.Event()
     async with channel, trio.open_nursery() as nursery:
 
         async def heartbeat() -> None:
-            while True:
+            while not done.is_set():
                 await channel.send(Heartbeat(rank=rank, step_count=steps))
-                await trio.sleep(HEARTBEAT_EVERY)
+                with trio.move_on_after(HEARTBEAT_EVERY):
+                    await done.wait()
 
         async def answer_syncs() -> None:
             async for message in channel:
-                if isinstance(message, SyncNow):
+                if isinstance(message, SyncNow) and not done.is_set():
                     await channel.send(SyncAck(rank=rank, round=message.round, step_count=steps))
 
         nursery.start_soon(heartbeat)
@@ -130,9 +137,8 @@ async def run_rank(url: str, key: bytes, rank: int, seconds: float) -> int:
                     batch_loss=1.0 / steps,
                 )
             )
-        nursery.cancel_scope.cancel()
-        with trio.CancelScope(shield=True):
-            await channel.send(Exiting(rank=rank))
+        done.set()
+        await channel.send(Exiting(rank=rank))
     return steps
 
 

@@ -86,7 +86,12 @@ class Channel:
         send is cancelled or fails midway, part of a frame may be on the wire, so every later
         send raises BrokenChannel.
         """
-        async with self._send_lock:
+        lock = self._send_lock
+        try:
+            lock.acquire_nowait()  # uncontended: skip the extra trip through the scheduler
+        except trio.WouldBlock:
+            await lock.acquire()  # trio's Lock is fair: waiters are served in order
+        try:
             if self._send_broken is not None:
                 raise BrokenChannel(f"cannot send: an earlier send failed ({self._send_broken!r})")
             frame = self._encoder.encode(message)
@@ -97,6 +102,8 @@ class Channel:
                 if isinstance(err, trio.BrokenResourceError | trio.ClosedResourceError):
                     raise BrokenChannel(f"cannot send {type(message).__name__}: {err}") from err
                 raise
+        finally:
+            lock.release()
 
     async def send_eof(self) -> None:
         """Say "no more messages from this side" and keep receiving (half-closeable streams).

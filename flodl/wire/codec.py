@@ -52,6 +52,9 @@ PREFIX_SIZE = HEADER_SIZE + MAC_SIZE
 MIN_KEY_BYTES = 16
 
 
+_compare_digest = hmac.compare_digest
+
+
 def _reject_tag(*_args: object) -> Any:
     raise ValueError("CBOR tags are not allowed in flodl payloads")
 
@@ -129,7 +132,7 @@ class FrameDecoder:
     later call raises :class:`BrokenChannel` (a stream that lied once is never trusted again).
     """
 
-    __slots__ = ("_allowed", "_buffer", "_error", "_mac", "_max_payload", "_seq")
+    __slots__ = ("_allowed", "_buffer", "_error", "_mac", "_max_payload", "_payloads", "_seq")
 
     def __init__(
         self,
@@ -145,6 +148,7 @@ class FrameDecoder:
         self._seq = first_seq
         self._buffer = bytearray()
         self._error: Exception | None = None
+        self._payloads = PayloadDecoder()
 
     @property
     def buffered(self) -> int:
@@ -188,32 +192,25 @@ class FrameDecoder:
 
     def _next(self) -> Message | None:
         buffer = self._buffer
-        if len(buffer) < HEADER_SIZE:
+        available = len(buffer)
+        if available < HEADER_SIZE:
             return None
         magic, version, tag, length, seq = _HEADER.unpack_from(buffer)
-        if magic != FRAME_MAGIC:
-            raise ProtocolError(f"bad frame magic 0x{magic:08X} (expected 0x{FRAME_MAGIC:08X})")
-        if version != PROTOCOL_VERSION:
-            raise VersionMismatch(
-                f"peer speaks wire protocol version {version}, this side {PROTOCOL_VERSION}"
-            )
-        if length > self._max_payload:
-            raise FrameTooLarge(
-                f"frame announces a {length}-byte payload, above the limit of {self._max_payload}"
-            )
+        if magic != FRAME_MAGIC or version != PROTOCOL_VERSION or length > self._max_payload:
+            raise self._header_error(magic, version, length)
         end = PREFIX_SIZE + length
-        if len(buffer) < end:
+        if available < end:
             return None
-        if len(buffer) == end:
+        if available == end:
             frame = bytes(buffer)
             buffer.clear()
         else:
             frame = bytes(buffer[:end])
             del buffer[:end]
-        view = memoryview(frame)
-        payload = view[PREFIX_SIZE:]
-        if not hmac.compare_digest(
-            self._mac.digest(view[:HEADER_SIZE], payload), view[HEADER_SIZE:PREFIX_SIZE]
+        # Plain bytes slices: for control-sized frames they are cheaper than memoryviews.
+        payload = frame[PREFIX_SIZE:]
+        if not _compare_digest(
+            self._mac.digest(frame[:HEADER_SIZE], payload), frame[HEADER_SIZE:PREFIX_SIZE]
         ):
             raise AuthenticationError(
                 f"frame {seq} (tag {tag}, {length} bytes) failed authentication: "
@@ -222,27 +219,64 @@ class FrameDecoder:
         if seq != self._seq:
             what = "replayed or reordered" if seq < self._seq else "out of order (frames lost)"
             raise SequenceError(f"frame {what}: sequence {seq}, expected {self._seq}")
-        self._seq += 1
-        return from_payload(tag, decode_payload(payload), self._allowed)
+        self._seq = seq + 1
+        return from_payload(tag, self._payloads.decode(payload), self._allowed)
+
+    def _header_error(self, magic: int, version: int, length: int) -> ProtocolError:
+        if magic != FRAME_MAGIC:
+            return ProtocolError(f"bad frame magic 0x{magic:08X} (expected 0x{FRAME_MAGIC:08X})")
+        if version != PROTOCOL_VERSION:
+            return VersionMismatch(
+                f"peer speaks wire protocol version {version}, this side {PROTOCOL_VERSION}"
+            )
+        return FrameTooLarge(
+            f"frame announces a {length}-byte payload, above the limit of {self._max_payload}"
+        )
 
 
 def decode_payload(payload: bytes | memoryview) -> object:
     """Decode exactly one CBOR item: every tag refused, nesting capped, no trailing bytes."""
-    stream = io.BytesIO(payload)
-    try:
-        value = cbor2.CBORDecoder(
-            stream,
-            tag_hook=_reject_tag,
-            semantic_decoders=_NO_SEMANTIC_TAGS,
-            max_depth=MAX_CBOR_DEPTH,
-            allow_indefinite=False,
-            allow_duplicate_keys=False,
-            strict_hashable_types=True,
-        ).decode()
-    except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError, RecursionError) as err:
-        raise ProtocolError(f"payload is not valid flodl CBOR: {err}") from None
-    if stream.tell() != len(payload):
-        raise ProtocolError(
-            f"payload has {len(payload) - stream.tell()} trailing bytes after its CBOR item"
-        )
-    return value
+    return PayloadDecoder().decode(payload)
+
+
+def _new_cbor_decoder() -> Any:
+    return cbor2.CBORDecoder(
+        io.BytesIO(b""),
+        tag_hook=_reject_tag,
+        semantic_decoders=_NO_SEMANTIC_TAGS,
+        max_depth=MAX_CBOR_DEPTH,
+        allow_indefinite=False,
+        allow_duplicate_keys=False,
+        strict_hashable_types=True,
+    )
+
+
+class PayloadDecoder:
+    """Hardened single-item CBOR decoding with one reusable cbor2 decoder.
+
+    Building a cbor2 decoder with these options costs more than decoding a typical message
+    (the table of refused tags is converted each time), so one is built up front and pointed
+    at each payload in turn. After an error it is replaced, so no state survives a bad input.
+    """
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self) -> None:
+        self._decoder = _new_cbor_decoder()
+
+    def decode(self, payload: bytes | memoryview) -> object:
+        """Exactly one CBOR item; ProtocolError for anything else (see :func:`decode_payload`)."""
+        stream = io.BytesIO(payload)
+        decoder = self._decoder
+        decoder.fp = stream
+        try:
+            value = decoder.decode()
+        except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError, RecursionError) as err:
+            self._decoder = _new_cbor_decoder()
+            raise ProtocolError(f"payload is not valid flodl CBOR: {err}") from None
+        if stream.tell() != len(payload):
+            self._decoder = _new_cbor_decoder()
+            raise ProtocolError(
+                f"payload has {len(payload) - stream.tell()} trailing bytes after its CBOR item"
+            )
+        return value
