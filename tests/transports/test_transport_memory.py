@@ -11,6 +11,8 @@ import math
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flodl.errors import AddressInUse, ConfigError, TransportError
 from flodl.transports import Listener, connect, open_listener
@@ -376,3 +378,67 @@ def test_invalid_fault_plans_are_config_errors(kwargs: dict[str, object]) -> Non
 def test_negative_capacity_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="capacity"):
         memory_stream_pair(capacity=-1)
+
+
+# --- property: whatever the plan does over time, bytes arrive whole and in order ------------
+
+_pauses = st.floats(min_value=0.0, max_value=5.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    writes=st.lists(st.one_of(st.binary(min_size=1, max_size=300), _pauses), max_size=30),
+    plans=st.lists(
+        st.one_of(
+            st.builds(
+                FaultPlan,
+                latency=st.sampled_from([0.0, 0.001, 0.5, 3.0]),
+                partitioned=st.booleans(),
+            ),
+            _pauses,
+        ),
+        max_size=20,
+    ),
+    capacity=st.sampled_from([0, 1, 64, 65536]),
+    read_size=st.integers(min_value=1, max_value=500),
+)
+def test_bytes_arrive_in_order_through_any_plan_changes(
+    writes: list[bytes | float], plans: list[FaultPlan | float], capacity: int, read_size: int
+) -> None:
+    sent = b"".join(step for step in writes if isinstance(step, bytes))
+
+    async def scenario() -> None:
+        client, server = memory_stream_pair(capacity=capacity)
+        link = client._outgoing.link
+        received = bytearray()
+
+        async def writer() -> None:
+            for step in writes:
+                if isinstance(step, bytes):
+                    await client.send_all(step)
+                else:
+                    await trio.sleep(step)
+            await client.send_eof()
+
+        async def saboteur() -> None:
+            for step in plans:
+                if isinstance(step, FaultPlan):
+                    link.set_plan(step)
+                else:
+                    await trio.sleep(step)
+            link.set_plan(FaultPlan())  # heal at the end, so everything held arrives
+
+        async def reader() -> None:
+            while chunk := await server.receive_some(read_size):
+                assert len(chunk) <= read_size
+                received.extend(chunk)
+
+        # A stuck scenario fails (mock time jumps to the deadline) instead of hanging.
+        with trio.fail_after(10_000):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(writer)
+                nursery.start_soon(saboteur)
+                nursery.start_soon(reader)
+        assert bytes(received) == sent
+
+    trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
