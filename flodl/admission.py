@@ -36,6 +36,21 @@ class AcceptsStreams(Protocol):
     async def accept(self) -> trio.abc.Stream: ...
 
 
+def _sole_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception inside nested groups, or the group itself if there are several."""
+    leaves: list[BaseException] = []
+
+    def collect(error: BaseException) -> None:
+        if isinstance(error, BaseExceptionGroup):
+            for inner in error.exceptions:
+                collect(inner)
+        else:
+            leaves.append(error)
+
+    collect(group)
+    return leaves[0] if len(leaves) == 1 else group
+
+
 def _log_rank_error(rank: int | None, error: BaseException) -> None:
     who = "a connection" if rank is None else f"rank {rank}"
     logger.warning("dropped %s: %s: %s", who, type(error).__name__, error)
@@ -59,7 +74,8 @@ async def serve_ranks(
     ``handshake_timeout`` seconds (else HandshakeTimeout); a rank id is held from the moment
     its hello verifies until its handler returns, so a second connection claiming it is
     refused with DuplicateRank. Any FlodlError or broken-stream error of one connection
-    (handshake or handler) closes that connection and is reported as
+    (handshake or handler; also an exception group holding only such errors, reported
+    unwrapped when it holds just one) closes that connection and is reported as
     ``on_rank_error(rank or None, error)`` (default: logged as a warning); it never disturbs
     the accept loop or the other ranks. Any other exception from a handler is a bug: it
     propagates and cancels everything.
@@ -98,6 +114,12 @@ async def serve_ranks(
             await handler(rank, channel)
         except _CONNECTION_ERRORS as err:
             report(claimed, err)
+        except BaseExceptionGroup as group:
+            # A handler with its own nursery raises groups: one made only of connection
+            # errors is still this connection's failure; anything else in it propagates.
+            if group.split(_CONNECTION_ERRORS)[1] is not None:
+                raise
+            report(claimed, _sole_leaf(group))
         finally:
             if claimed is not None:
                 held.discard(claimed)

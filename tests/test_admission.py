@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from flodl.admission import AcceptsStreams, serve_ranks
-from flodl.errors import ConfigError, DuplicateRank, HandshakeTimeout, WrongKey
+from flodl.errors import BrokenChannel, ConfigError, DuplicateRank, HandshakeTimeout, WrongKey
 from flodl.transports import connect, open_listener
 from flodl.transports.channel import Channel, connect_rank
 from flodl.wire import handshake as hs
@@ -181,3 +181,33 @@ async def test_bad_settings_are_config_errors(
             await serve_ranks(
                 listener, key, WORLD, handler, handshake_timeout=timeout, signature=signature
             )
+
+
+async def test_handler_nursery_groups_of_connection_errors_stay_per_connection() -> None:
+    errors: list[tuple[int | None, BaseException]] = []
+
+    async def handler(rank: int, channel: Channel) -> None:
+        async with trio.open_nursery() as nursery:  # errors come out wrapped in a group
+            nursery.start_soon(channel.receive)
+            await trio.testing.wait_all_tasks_blocked()
+            raise BrokenChannel(f"rank {rank} went away")
+
+    async with await open_listener(memory_url()) as listener, trio.open_nursery() as nursery:
+        await nursery.start(
+            lambda task_status: serve_ranks(
+                listener,
+                KEY,
+                WORLD,
+                handler,
+                on_rank_error=lambda rank, err: errors.append((rank, err)),
+                task_status=task_status,
+            )
+        )
+        for rank in (0, 1):
+            async with await connect(listener.url) as stream:
+                await connect_rank(stream, KEY, rank, WORLD)
+                assert await expect_dropped(stream) == b""
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert [(rank, type(err)) for rank, err in errors] == [(0, BrokenChannel), (1, BrokenChannel)]
+    assert str(errors[1][1]) == "rank 1 went away"
