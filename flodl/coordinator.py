@@ -32,12 +32,14 @@ from flodl.config import CoordinatorConfig, check_session_key
 from flodl.core.effects import Broadcast, Send
 from flodl.core.machine import CoordinatorMachine, Disconnect, Effect, Outcome
 from flodl.core.timeline import Timeline
-from flodl.errors import FlodlError, ProtocolError
+from flodl.errors import CoordinatorError, FlodlError, ProtocolError
 from flodl.transports import open_listener
 from flodl.transports.channel import Channel
 from flodl.wire.messages import CoordHeartbeat, Message
 
 log = logging.getLogger("flodl.coordinator")
+
+_CONNECTION_ERRORS = (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 OUTBOX_LIMIT = 4096
 """Messages queued for one rank before it is judged too slow to keep up and disconnected."""
@@ -95,30 +97,37 @@ class Coordinator:
     # --- tasks ----------------------------------------------------------------------------
 
     async def serve_rank(self, rank: int, channel: Channel) -> None:
-        """Run one admitted rank's connection until it closes; errors end only this rank."""
+        """Run one admitted rank's connection until it closes; errors end only this rank.
+
+        A bad frame, a broken stream or a rank that cannot keep up ends this connection: the
+        machine hears of the disconnect at once, and the error is re-raised (unwrapped) for
+        the admission server to report.
+        """
         outbox_send, outbox_receive = trio.open_memory_channel[Message](OUTBOX_LIMIT)
         scope = trio.CancelScope()
         link = _RankLink(rank, outbox_send, scope)
         self._links[rank] = link
-        error: BaseException | None = None
+        errors: list[BaseException] = []
         try:
             with scope:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._write_loop, channel, outbox_receive)
+                    nursery.start_soon(self._write_loop, channel, outbox_receive, link, errors)
                     self._perform(self._machine.on_connect(rank, trio.current_time()))
-                    await self._read_loop(rank, channel)
+                    try:
+                        await self._read_loop(rank, channel)
+                    except _CONNECTION_ERRORS as err:
+                        errors.append(err)
                     nursery.cancel_scope.cancel()
-        except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError) as err:
-            error = err
-            raise
         finally:
             if self._links.get(rank) is link:
                 del self._links[rank]
             outbox_send.close()
             self._link_closed.set()
             self._link_closed = trio.Event()
-            reason = "connection closed" if error is None else f"{type(error).__name__}: {error}"
+            reason = f"{type(errors[0]).__name__}: {errors[0]}" if errors else "connection closed"
             self._perform(self._machine.on_disconnect(rank, trio.current_time(), reason))
+        if errors:
+            raise errors[0]
 
     async def _read_loop(self, rank: int, channel: Channel) -> None:
         async for message in channel:
@@ -130,10 +139,18 @@ class Coordinator:
             self._perform(self._machine.on_message(rank, message, trio.current_time()))
 
     async def _write_loop(
-        self, channel: Channel, outbox: trio.MemoryReceiveChannel[Message]
+        self,
+        channel: Channel,
+        outbox: trio.MemoryReceiveChannel[Message],
+        link: _RankLink,
+        errors: list[BaseException],
     ) -> None:
-        async for message in outbox:
-            await channel.send(message)
+        try:
+            async for message in outbox:
+                await channel.send(message)
+        except _CONNECTION_ERRORS as err:
+            errors.append(err)
+            link.scope.cancel()
 
     async def heartbeat_loop(self) -> None:
         """Beat every ``heartbeat_interval`` until the run ends; nothing else can delay it."""
@@ -153,7 +170,14 @@ class Coordinator:
                 self._deadline_scope = scope
                 await trio.sleep_forever()
             self._deadline_scope = None
-            self._perform(self._machine.on_tick(trio.current_time()))
+            now = trio.current_time()
+            self._perform(self._machine.on_tick(now))
+            if self._machine.next_deadline() <= now and not self._finished.is_set():
+                # A deadline the machine did not act on would spin this loop forever.
+                raise CoordinatorError(
+                    f"coordinator bug: deadline {self._machine.next_deadline()} not handled "
+                    f"at {now}"
+                )
 
     async def wait_all_hung_up(self) -> None:
         """Wait until no rank connection is open."""

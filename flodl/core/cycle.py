@@ -351,7 +351,7 @@ class Cycle:
         """
         if self._state is not RoundState.IN_FLIGHT or self._stall_clock is None:
             return []
-        if now - self._stall_clock < self._ceiling:
+        if now < self._stall_clock + self._ceiling:  # same sum as next_deadline(): no float gap
             return []
         self._stall_clock = None
         self._stalled = True

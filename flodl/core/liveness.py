@@ -155,7 +155,9 @@ class Liveness:
 
     def check(self, now: float) -> list[RankLost]:
         """Declare every rank silent for ``>= heartbeat_timeout``; ascending rank order."""
-        silent = sorted(r for r, seen in self._last_seen.items() if now - seen >= self._timeout)
+        # Compare against the same sum next_deadline() returns, so a shell woken exactly at
+        # that deadline always sees the death (now - seen could round below the timeout).
+        silent = sorted(r for r, seen in self._last_seen.items() if now >= seen + self._timeout)
         return [self._lose(rank, now, LossCause.SILENT) for rank in silent]
 
     def next_deadline(self) -> float | None:

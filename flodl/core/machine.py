@@ -414,6 +414,8 @@ class CoordinatorMachine:
         effects: list[Effect] = []
         if self.phase is Phase.FORMING:
             self.members = new_members
+            for rank in set(range(self.world_size)) - set(new_members):
+                self.cycle.drop_rank(now, rank)
             self.elche = self._new_elche(len(new_members))
             self.phase = Phase.TRAINING
             effects += self._begin_epoch(0, now)
@@ -646,6 +648,8 @@ class CoordinatorMachine:
 
     def _handle_losses(self, losses: Sequence[RankLost], now: float, why: str) -> list[Effect]:
         effects: list[Effect] = []
+        if self.finished:
+            return effects  # ranks hanging up after the end are not deaths
         for loss in losses:
             stats = self.stats[loss.rank]
             stats.lost_at = now
@@ -654,7 +658,7 @@ class CoordinatorMachine:
             self.timeline.add(
                 now, EventKind.RANK_DEAD, rank=loss.rank, cause=loss.cause.value, why=why
             )
-        if self.phase in (Phase.JOINING, Phase.FINISHED):
+        if self.phase is Phase.JOINING:
             return effects
         lost = [loss.rank for loss in losses if loss.rank in self.members]
         survivors = tuple(r for r in self.members if self.liveness.is_alive(r))
@@ -676,7 +680,8 @@ class CoordinatorMachine:
             return effects + self._save(unrecoverable, now, why)
         if not lost:
             return effects
-        if all_exited(losses) and self._all_work_done():
+        if not self.config.collective or (all_exited(losses) and self._all_work_done()):
+            # Without a collective group there is nothing to re-form: the survivors go on.
             return effects + self._maybe_trigger(now)
         self.cycle.abandon_round()
         self.phase = Phase.REFORMING

@@ -274,7 +274,7 @@ class Rendezvous:
         if self._pending is None or self._generator is None:
             return []
         dead = self._generator not in alive
-        if not dead and now - self._asked_at < self._timeout:
+        if not dead and now < self._asked_at + self._timeout:  # same sum as next_deadline()
             return []
         self._tried.add(self._generator)
         remaining = (self._candidates & alive) - self._tried

@@ -1,0 +1,303 @@
+"""The coordinator end to end over the memory transport, with scripted ranks, under MockClock.
+
+Each test drives a real coordinator (trio shell + decision machine) and real Channels; time is
+trio's mock clock, so heartbeat timeouts of 10 s and stall ceilings of 300 s take milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import trio
+from trio.testing import MockClock
+
+from flodl.config import CoordinatorConfig, MaxFailure
+from flodl.core.machine import Status
+from flodl.core.timeline import EventKind
+from flodl.testing import Cluster, RankScript, open_cluster
+from flodl.wire.messages import (
+    CoordHeartbeat,
+    DeclareDead,
+    NewGroupSession,
+    RequestNewGroup,
+    SaveReason,
+    Shutdown,
+    ShutdownWithSave,
+)
+
+
+def fast(n: int, ms: float = 10.0, **kwargs: object) -> list[RankScript]:
+    return [RankScript(ms_per_batch=ms, **kwargs) for _ in range(n)]  # type: ignore[arg-type]
+
+
+def events(cluster: Cluster, kind: EventKind) -> list[dict[str, object]]:
+    t0 = cluster.started_at
+    return [
+        {"time": e.time - t0, **e.detail} for e in cluster.coordinator.timeline if e.kind is kind
+    ]
+
+
+async def test_run_completes_and_every_sample_is_trained_once_per_epoch(
+    autojump_clock: MockClock,
+) -> None:
+    scripts = [RankScript(ms_per_batch=10), RankScript(ms_per_batch=10), RankScript(25)]
+    async with open_cluster(scripts, dataset_size=3000, batch_size=10, epochs=2) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.status is Status.COMPLETED
+    samples = Counter(s for rank in cluster.ranks for s in rank.record.samples)
+    assert len(samples) == 6000
+    assert set(samples.values()) == {1}
+    assert all(isinstance(rank.record.ended_by, Shutdown) for rank in cluster.ranks)
+    # The slow rank ran fewer batches, the fast ones proportionally more.
+    batches = [rank.record.batches for rank in cluster.ranks]
+    assert batches[2] < batches[0] and batches[2] < batches[1]
+    results = cluster.coordinator.machine.epoch_results
+    assert [r["epoch"] for r in results] == [0, 1]
+    assert [r["samples"] for r in results] == [3000, 3000]
+
+
+async def test_window_wait_completes_as_soon_as_completion_frames_arrive(
+    autojump_clock: MockClock,
+) -> None:
+    async with open_cluster(fast(2), dataset_size=400, batch_size=10) as cluster:
+        await cluster.coordinator.wait_finished()
+    starts = [float(e["time"]) for e in events(cluster, EventKind.SYNC_START)]  # type: ignore[arg-type]
+    assert starts
+    # The first window is 10 batches of 10 ms: the round starts as soon as the last
+    # completion frame lands (~0.1 s after start), not after the 12 s ceiling.
+    assert 0.099 <= starts[0] < 0.2
+
+
+async def test_window_wait_hits_its_ceiling_when_completion_frames_never_come(
+    autojump_clock: MockClock,
+) -> None:
+    scripts = [
+        RankScript(ms_per_batch=10),
+        RankScript(ms_per_batch=10, skip_completion_frames=True),
+    ]
+    config = CoordinatorConfig(heartbeat_timeout=10.0)
+    async with open_cluster(scripts, dataset_size=400, batch_size=10, config=config) as cluster:
+        await cluster.coordinator.wait_finished()
+    starts = [float(e["time"]) for e in events(cluster, EventKind.SYNC_START)]  # type: ignore[arg-type]
+    # Ceiling = heartbeat_timeout + 2 s after the trigger (~0.1 s after start).
+    assert 12.1 <= starts[0] < 12.2
+
+
+async def test_heartbeat_keeps_beating_during_every_wait(
+    autojump_clock: MockClock,
+) -> None:
+    # A silent generator makes the coordinator wait 5 s per rendezvous try, and a missing
+    # completion frame makes it wait 12 s per window: the beacon must not pause for either.
+    scripts = [
+        RankScript(ms_per_batch=10, skip_completion_frames=True),
+        RankScript(ms_per_batch=10, ignore_group_requests=True),
+        RankScript(ms_per_batch=10),
+    ]
+    config = CoordinatorConfig(heartbeat_interval=1.0, heartbeat_timeout=10.0)
+    async with open_cluster(scripts, dataset_size=600, batch_size=10, config=config) as cluster:
+        await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    rank = cluster.ranks[2]
+    assert rank.record.count(CoordHeartbeat) >= 20
+    # Every rank received a beat in every interval of the run.
+    for scripted in cluster.ranks:
+        beats = scripted.record.count(CoordHeartbeat)
+        assert beats >= int(cluster.elapsed()) - 1
+
+
+async def test_silent_rank_is_declared_dead_exactly_at_the_timeout(
+    autojump_clock: MockClock,
+) -> None:
+    scripts = [*fast(2), RankScript(ms_per_batch=10, silent_after_batches=5)]
+    config = CoordinatorConfig(heartbeat_timeout=10.0)
+    async with open_cluster(scripts, dataset_size=3000, batch_size=10, config=config) as cluster:
+        await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    (dead,) = events(cluster, EventKind.RANK_DEAD)
+    assert dead["rank"] == 2 and dead["cause"] == "silent"
+    last_seen = 0.05  # its 5th batch report at 5 x 10 ms
+    assert dead["time"] == pytest.approx(last_seen + 10.0, abs=1e-6)
+    assert cluster.coordinator.machine.outcome.status is Status.COMPLETED
+    assert all(r.record.count(DeclareDead) == 1 for r in cluster.ranks[:2])
+
+
+async def test_dropped_connection_is_dead_at_once_and_survivors_finish(
+    autojump_clock: MockClock,
+) -> None:
+    scripts = [*fast(2), RankScript(ms_per_batch=10, die_after_batches=7)]
+    async with open_cluster(scripts, dataset_size=3000, batch_size=10) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    (dead,) = events(cluster, EventKind.RANK_DEAD)
+    assert dead["cause"] == "disconnected"
+    assert dead["time"] == pytest.approx(0.07, abs=1e-6)
+    (reformed,) = events(cluster, EventKind.GROUP_REFORMED)
+    assert reformed["members"] == [0, 1]
+    # The generator answers between two of its batches: at most one batch (10 ms) later.
+    assert 0.07 <= float(reformed["time"]) <= 0.08 + 1e-6  # type: ignore[arg-type]
+    assert outcome.status is Status.COMPLETED
+    # The dead rank's unfinished samples went to the survivors: nothing lost, nothing twice
+    # (the dead rank's finished batches count as seen, as in floDl).
+    samples = Counter(s for rank in cluster.ranks for s in rank.record.samples)
+    assert len(samples) == 3000 and set(samples.values()) == {1}
+    survivors_sessions = [r.record.count(NewGroupSession) for r in cluster.ranks[:2]]
+    assert survivors_sessions == [2, 2]
+
+
+async def test_stall_ceiling_fires_once_with_reduce_stall(
+    autojump_clock: MockClock,
+) -> None:
+    scripts = [*fast(2), RankScript(ms_per_batch=10, hang_collectives=True)]
+    config = CoordinatorConfig(heartbeat_timeout=10.0)  # default ceiling: max(100, 300) = 300 s
+    async with open_cluster(scripts, dataset_size=3000, batch_size=10, config=config) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.status is Status.SAVED and outcome.save_reason is SaveReason.REDUCE_STALL
+    (save,) = events(cluster, EventKind.SAVE_REQUESTED)
+    (start,) = events(cluster, EventKind.SYNC_START)
+    assert save["time"] == pytest.approx(float(start["time"]) + 300.0, abs=1e-6)  # type: ignore[arg-type]
+    for rank in cluster.ranks:
+        assert rank.record.count(ShutdownWithSave) == 1
+        assert rank.record.ended_by == ShutdownWithSave(reason=SaveReason.REDUCE_STALL)
+
+
+async def test_no_shutdown_while_a_round_is_unsettled(
+    autojump_clock: MockClock,
+) -> None:
+    scripts = fast(2, collective_ms=500.0)
+    async with open_cluster(scripts, dataset_size=3000, batch_size=10) as cluster:
+        coordinator = cluster.coordinator
+        # Stop is asked for while the first round's collective (500 ms) is in flight.
+        await trio.sleep(0.15)
+        assert not coordinator.machine.cycle.settled
+        coordinator.request_stop(save=False)
+        assert not coordinator.machine.finished
+        outcome = await coordinator.wait_finished()
+        stopped_at = cluster.elapsed()
+        await cluster.wait_ranks_done()
+    (end,) = events(cluster, EventKind.SYNC_END)
+    assert outcome.status is Status.COMPLETED
+    assert stopped_at >= float(end["time"])  # type: ignore[arg-type]
+    assert all(isinstance(r.record.ended_by, Shutdown) for r in cluster.ranks)
+
+
+async def test_silent_generator_is_retried_after_five_seconds(
+    autojump_clock: MockClock,
+) -> None:
+    # Rank 0 is the first choice (lowest local rank) and never answers.
+    scripts = [RankScript(ms_per_batch=10, ignore_group_requests=True), *fast(2)]
+    async with open_cluster(scripts, dataset_size=600, batch_size=10) as cluster:
+        await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    asked = [r.record.count(RequestNewGroup) for r in cluster.ranks]
+    assert asked == [1, 1, 0]
+    first_start = events(cluster, EventKind.SYNC_START)[0]["time"]
+    assert float(first_start) == pytest.approx(5.0 + 0.1, abs=0.01)  # type: ignore[arg-type]
+
+
+async def test_generator_death_is_retried_at_once(autojump_clock: MockClock) -> None:
+    scripts = [RankScript(ms_per_batch=10, die_on_group_request=True), *fast(2)]
+    async with open_cluster(scripts, dataset_size=600, batch_size=10) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.status is Status.COMPLETED
+    assert [r.record.count(RequestNewGroup) for r in cluster.ranks] == [1, 1, 0]
+    sessions = [m for m in cluster.ranks[1].record.received if isinstance(m, NewGroupSession)]
+    assert sessions[0].new_world_size == 2 and sessions[0].new_rank == 0
+    assert cluster.elapsed() < 1.0  # no 5 s retry wait: the death was seen at once
+
+
+async def test_rendezvous_exhaustion_saves(autojump_clock: MockClock) -> None:
+    scripts = [RankScript(ms_per_batch=10, ignore_group_requests=True) for _ in range(2)]
+    async with open_cluster(scripts, dataset_size=600, batch_size=10) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.status is Status.SAVED
+    assert outcome.save_reason is SaveReason.SINGLE_SURVIVOR
+    assert cluster.elapsed() == pytest.approx(10.0, abs=0.01)  # two tries of 5 s each
+    assert all(
+        r.record.ended_by == ShutdownWithSave(SaveReason.SINGLE_SURVIVOR) for r in cluster.ranks
+    )
+
+
+async def test_death_during_the_rendezvous_is_folded_into_the_new_group(
+    autojump_clock: MockClock,
+) -> None:
+    # Rank 3 dies first; while its replacement group is being generated by a silent
+    # generator (rank 0, retried after 5 s), rank 2 goes silent and is declared dead too.
+    scripts = [
+        RankScript(ms_per_batch=10, ignore_group_requests=False),
+        RankScript(ms_per_batch=10),
+        RankScript(ms_per_batch=10, silent_after_batches=12),
+        RankScript(ms_per_batch=10, die_after_batches=12),
+    ]
+    config = CoordinatorConfig(heartbeat_timeout=2.0, heartbeat_interval=0.5)
+    async with open_cluster(scripts, dataset_size=4000, batch_size=10, config=config) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.status is Status.COMPLETED
+    dead = sorted(int(e["rank"]) for e in events(cluster, EventKind.RANK_DEAD))  # type: ignore[call-overload]
+    assert dead == [2, 3]
+    final = [m for m in cluster.ranks[0].record.received if isinstance(m, NewGroupSession)][-1]
+    assert final.new_world_size == 2
+
+
+async def test_down_to_one_survivor_saves_single_survivor(
+    autojump_clock: MockClock,
+) -> None:
+    scripts = [RankScript(ms_per_batch=10), RankScript(ms_per_batch=10, die_after_batches=5)]
+    async with open_cluster(scripts, dataset_size=3000, batch_size=10) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.save_reason is SaveReason.SINGLE_SURVIVOR
+    assert cluster.ranks[0].record.ended_by == ShutdownWithSave(SaveReason.SINGLE_SURVIVOR)
+
+
+async def test_max_failure_saves_before_the_backend_limit(
+    autojump_clock: MockClock,
+) -> None:
+    scripts = [*fast(3), RankScript(ms_per_batch=10, die_after_batches=5)]
+    config = CoordinatorConfig(max_failure=MaxFailure.absolute(1))
+    async with open_cluster(scripts, dataset_size=3000, batch_size=10, config=config) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.save_reason is SaveReason.MAX_FAILURE
+
+
+async def test_all_ranks_lost_without_a_collective_backend(
+    autojump_clock: MockClock,
+) -> None:
+    scripts = [RankScript(ms_per_batch=10, die_after_batches=3) for _ in range(2)]
+    config = CoordinatorConfig(collective=False)
+    async with open_cluster(scripts, dataset_size=3000, batch_size=10, config=config) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+    assert outcome.save_reason is SaveReason.ALL_RANKS_LOST
+
+
+async def test_eight_unequal_ranks_calibrate_to_their_speeds_and_barely_idle(
+    autojump_clock: MockClock,
+) -> None:
+    speeds = [1.0 + 1.5 * i / 7 for i in range(8)]  # 1.0 ... 2.5x
+    scripts = [RankScript(ms_per_batch=25.0 / s, collective_ms=1.0) for s in speeds]
+    async with open_cluster(scripts, dataset_size=200_000, batch_size=10, epochs=1) as cluster:
+        machine = cluster.coordinator.machine
+        # Let ElChe calibrate, then measure idle over a later stretch of windows.
+        while machine.cycle.round < 8:
+            await trio.sleep(0.5)
+        counts = machine.counts()
+        idle0 = [r.record.idle_s for r in cluster.ranks]
+        t0 = cluster.elapsed()
+        while machine.cycle.round < 20:
+            await trio.sleep(0.5)
+        idle = [r.record.idle_s - i for r, i in zip(cluster.ranks, idle0, strict=True)]
+        elapsed = cluster.elapsed() - t0
+        cluster.coordinator.request_stop(save=False)
+        await cluster.coordinator.wait_finished()
+    slow = counts[0]
+    for rank, speed in enumerate(speeds):
+        expected = slow * speed
+        assert abs(counts[rank] - expected) <= max(0.05 * expected, 1.0), (rank, counts)
+    for rank in range(8):
+        assert idle[rank] / elapsed < 0.05, (rank, idle[rank] / elapsed)
