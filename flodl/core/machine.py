@@ -291,8 +291,11 @@ class CoordinatorMachine:
 
     def on_exit_reported(self, rank: int, returncode: int, now: float) -> list[Effect]:
         """The launcher saw ``rank``'s process exit."""
-        if returncode == 0 and self.liveness.is_exiting(rank):
+        if self.finished or (returncode == 0 and self.liveness.is_exiting(rank)):
             return []
+        if self.phase is Phase.JOINING:
+            # The world cannot form without this rank: stop now instead of at the join timeout.
+            return self._fail(now, f"rank {rank} exited with code {returncode} before joining")
         loss = self.liveness.on_disconnect(rank, now)
         if loss is None:
             return []

@@ -1,0 +1,153 @@
+"""The ``flodl`` command: ``flodl run`` (local ranks), ``flodl coordinator`` and ``flodl worker``
+(one coordinator and ranks on other hosts)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from flodl.config import CoordinatorConfig, Policy, session_key_from_env
+from flodl.errors import FlodlError
+
+
+def _add_coordinator_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", choices=[p.value for p in Policy], default="cadence")
+    parser.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S")
+    parser.add_argument(
+        "--stall-ceiling",
+        type=float,
+        default=None,
+        metavar="S",
+        help="reduce-stall ceiling (default: max(10 x heartbeat timeout, 300 s))",
+    )
+    parser.add_argument("--anchor", type=int, default=10)
+    parser.add_argument("--max-batch-diff", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        policy=Policy(args.policy),
+        heartbeat_timeout=args.heartbeat_timeout,
+        heartbeat_interval=min(1.0, args.heartbeat_timeout / 4),
+        reduce_stall_ceiling=args.stall_ceiling,
+        anchor=args.anchor,
+        max_anchor=max(1000, args.anchor),
+        max_batch_diff=args.max_batch_diff,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flodl", description="Data-parallel training for machines of unequal speed."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run SCRIPT on N local ranks with a coordinator")
+    run.add_argument("--nproc", type=int, required=True)
+    run.add_argument("--transport", choices=["tcp", "unix"], default="tcp")
+    run.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    run.add_argument("--run-dir", type=Path, default=Path("runs/latest"))
+    run.add_argument("--resume", type=Path, default=None, metavar="PATH")
+    _add_coordinator_options(run)
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+
+    coord = commands.add_parser("coordinator", help="coordinate ranks that join from other hosts")
+    coord.add_argument("--listen", required=True, metavar="URL", help="e.g. tcp://0.0.0.0:29400")
+    coord.add_argument("--world-size", type=int, required=True)
+    _add_coordinator_options(coord)
+
+    worker = commands.add_parser("worker", help="run SCRIPT as one rank of a remote coordinator")
+    worker.add_argument("--coordinator", required=True, metavar="URL")
+    worker.add_argument("--rank", type=int, required=True)
+    worker.add_argument("--world-size", type=int, required=True)
+    worker.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    worker.add_argument("--policy", choices=[p.value for p in Policy], default="cadence")
+    worker.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S")
+    worker.add_argument("--host", default="127.0.0.1", help="this host's address for peers")
+    worker.add_argument("--run-dir", type=Path, default=Path("runs/latest"))
+    worker.add_argument("script")
+    worker.add_argument("script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flodl.launcher import LaunchConfig, launch, print_summary, run_succeeded
+
+    config = LaunchConfig(
+        script=args.script,
+        script_args=tuple(args.script_args),
+        nproc=args.nproc,
+        transport=args.transport,
+        backend=args.backend,
+        run_dir=args.run_dir,
+        seed=args.seed,
+        coordinator=_coordinator_config(args),
+        resume=args.resume,
+    )
+    summary = trio.run(launch, config)
+    print_summary(summary)
+    print(f"  summary: {args.run_dir / 'summary.json'}")
+    return 0 if run_succeeded(summary) else 1
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from flodl.coordinator import open_coordinator
+
+    key = session_key_from_env()
+    config = _coordinator_config(args)
+
+    async def serve() -> str:
+        async with open_coordinator(
+            args.listen, args.world_size, key, config, local_ranks=frozenset(), seed=args.seed
+        ) as coordinator:
+            print(f"flodl coordinator listening on {coordinator.url}", flush=True)
+            outcome = await coordinator.wait_finished()
+        return f"{outcome.status.value} {outcome.message}"
+
+    print(f"flodl: run {trio.run(serve)}")
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    session_key_from_env()  # fail early, here, if the key is missing
+    env = dict(os.environ)
+    env.update(
+        {
+            "RANK": str(args.rank),
+            "WORLD_SIZE": str(args.world_size),
+            "LOCAL_RANK": "0",
+            "FLODL_COORDINATOR": args.coordinator,
+            "FLODL_BACKEND": args.backend,
+            "FLODL_POLICY": args.policy,
+            "FLODL_HEARTBEAT_TIMEOUT": str(args.heartbeat_timeout),
+            "FLODL_HOST": args.host,
+            "FLODL_RUN_DIR": str(args.run_dir.resolve()),
+        }
+    )
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    os.execvpe(sys.executable, [sys.executable, args.script, *args.script_args], env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``flodl`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "coordinator":
+            return _coordinator(args)
+        return _worker(args)
+    except FlodlError as err:
+        print(f"flodl: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,353 @@
+"""Spawn and supervise local ranks around an in-process coordinator (``flodl run``).
+
+:func:`launch` opens the coordinator, starts ``nproc`` copies of the training script with the
+environment a rank needs (torchrun-style RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+MASTER_PORT plus flodl's own ``FLODL_*``), relays their output with a ``[rank N]`` prefix, feeds
+each process exit into the coordinator's death detection, turns the first Ctrl-C (SIGINT or
+SIGTERM) into a graceful save-and-shutdown and the second into a kill, and finally writes
+``run-dir/summary.json``. Every process it started is gone when it returns, whatever happened.
+
+The session key is generated here and handed to the ranks in a 0600 file named by
+``FLODL_SESSION_KEY_FILE``; it never appears on a command line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from flodl.config import CoordinatorConfig
+from flodl.coordinator import Coordinator, open_coordinator
+from flodl.core.machine import Status
+from flodl.core.timeline import EventKind
+from flodl.errors import ConfigError
+
+KEY_FILE_NAME = "session.key"
+SUMMARY_NAME = "summary.json"
+
+
+@attrs.frozen
+class LaunchConfig:
+    """What ``flodl run`` was asked to do."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    nproc: int = 2
+    transport: str = "tcp"
+    backend: str = "auto"
+    run_dir: Path = Path("runs/latest")
+    seed: int = 0
+    coordinator: CoordinatorConfig = attrs.field(factory=CoordinatorConfig)
+    python: str = sys.executable
+    resume: Path | None = None
+    exit_grace: float = 30.0
+    """Seconds ranks get to exit on their own after the run ended, before they are killed."""
+    echo: bool = True
+    """Relay the ranks' output to this process's stdout."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.transport not in ("tcp", "unix"):
+            raise ConfigError(f"--transport must be tcp or unix, got {self.transport!r}")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
+
+
+@attrs.define
+class RankProcess:
+    """One spawned rank and what became of it."""
+
+    rank: int
+    process: trio.Process
+    started_unix: float
+    exit_code: int | None = None
+    exited_unix: float | None = None
+
+
+def write_session_key(run_dir: Path, key: bytes) -> Path:
+    """Write ``key`` (hex) to ``run_dir/session.key`` readable by this user only."""
+    path = run_dir / KEY_FILE_NAME
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key.hex())
+    os.chmod(path, 0o600)
+    return path
+
+
+def rank_environment(
+    config: LaunchConfig, rank: int, url: str, key_file: Path, master_port: int
+) -> dict[str, str]:
+    """The environment of rank ``rank``: the parent's, plus what a flodl rank reads."""
+    env = dict(os.environ)
+    env.pop("FLODL_SESSION_KEY", None)
+    run_dir = config.run_dir.resolve()
+    env.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(config.nproc),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(config.nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(master_port),
+            "FLODL_COORDINATOR": url,
+            "FLODL_SESSION_KEY_FILE": str(key_file.resolve()),
+            "FLODL_BACKEND": config.backend,
+            "FLODL_POLICY": config.coordinator.policy.value,
+            "FLODL_HEARTBEAT_TIMEOUT": str(config.coordinator.heartbeat_timeout),
+            "FLODL_HEARTBEAT_INTERVAL": str(config.coordinator.heartbeat_interval),
+            "FLODL_RUN_DIR": str(run_dir),
+            "FLODL_SEED": str(config.seed),
+            "FLODL_HOST": "127.0.0.1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if config.resume is not None:
+        env["FLODL_RESUME"] = str(config.resume.resolve())
+    return env
+
+
+async def _relay_output(rank: int, stream: trio.abc.ReceiveStream, echo: bool, log: Path) -> None:
+    """Copy a rank's output to its log file and, prefixed, to our stdout."""
+    pending = b""
+    with log.open("ab") as sink:
+        async for chunk in stream:
+            sink.write(chunk)
+            sink.flush()
+            if not echo:
+                continue
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                print(f"[rank {rank}] {line.decode(errors='replace')}", flush=True)
+        if echo and pending:
+            print(f"[rank {rank}] {pending.decode(errors='replace')}", flush=True)
+
+
+async def _supervise(spawned: RankProcess, coordinator: Coordinator, echo: bool, log: Path) -> None:
+    """Relay output until the process exits; then tell the coordinator how it ended."""
+    process = spawned.process
+    async with trio.open_nursery() as nursery:
+        if process.stdout is not None:
+            nursery.start_soon(_relay_output, spawned.rank, process.stdout, echo, log)
+        code = await process.wait()
+    spawned.exit_code = code
+    spawned.exited_unix = time.time()
+    coordinator.report_exit(spawned.rank, code)
+
+
+async def _watch_signals(coordinator: Coordinator, spawned: Sequence[RankProcess]) -> None:
+    """First SIGINT/SIGTERM: save and stop gracefully. Second: kill every rank."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        count = 0
+        async for signum in signals:
+            count += 1
+            if count == 1:
+                print(
+                    f"flodl: {signal.Signals(signum).name}: saving and stopping "
+                    "(again to kill the ranks)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                coordinator.request_stop(save=True)
+            else:
+                _kill_all(spawned)
+                return
+
+
+def _kill_all(spawned: Sequence[RankProcess]) -> None:
+    for item in spawned:
+        if item.process.returncode is None:
+            item.process.kill()
+
+
+async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str, Any]:
+    """Run the job to its end and return the summary (also written to run-dir/summary.json).
+
+    Guarantees: every rank process started here has exited (killed if need be) when this
+    returns or raises, including on cancellation.
+    """
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    key = key or secrets.token_bytes(32)
+    key_file = write_session_key(run_dir, key)
+    if config.transport == "unix":
+        url = f"unix://{(run_dir / 'coordinator.sock').resolve()}"
+    else:
+        url = "tcp://127.0.0.1:0"
+    started_unix = time.time()
+    spawned: list[RankProcess] = []
+    async with open_coordinator(
+        url, config.nproc, key, config.coordinator, seed=config.seed, linger=config.exit_grace
+    ) as coordinator:
+        trio_start = trio.current_time()
+        master_port = int(coordinator.url.rsplit(":", 1)[-1]) if "tcp" in url else 0
+        try:
+            async with trio.open_nursery() as nursery:
+                for rank in range(config.nproc):
+                    env = rank_environment(config, rank, coordinator.url, key_file, master_port)
+                    process = await trio.lowlevel.open_process(
+                        [config.python, config.script, *config.script_args],
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                    )
+                    item = RankProcess(rank, process, time.time())
+                    spawned.append(item)
+                    log = run_dir / f"rank{rank}.log"
+                    nursery.start_soon(_supervise, item, coordinator, config.echo, log)
+                nursery.start_soon(_watch_signals, coordinator, spawned)
+                await coordinator.wait_finished()
+                with trio.move_on_after(config.exit_grace):
+                    for item in spawned:
+                        await item.process.wait()
+                _kill_all(spawned)
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                _kill_all(spawned)
+                for item in spawned:
+                    await item.process.wait()
+                    if item.exit_code is None:
+                        item.exit_code = item.process.returncode
+                        item.exited_unix = time.time()
+        summary = build_summary(config, coordinator, spawned, started_unix, trio_start)
+    (run_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def build_summary(
+    config: LaunchConfig,
+    coordinator: Coordinator,
+    spawned: Sequence[RankProcess],
+    started_unix: float,
+    trio_start: float,
+) -> dict[str, Any]:
+    """What happened, per rank and per death, in one JSON-able dict."""
+    machine = coordinator.machine
+
+    def unix(t: float) -> float:
+        return started_unix + (t - trio_start)
+
+    ranks = []
+    final_metrics: dict[str, Any] = {}
+    for item in spawned:
+        report = _read_json(config.run_dir / f"rank{item.rank}.json")
+        stats = machine.stats[item.rank]
+        ranks.append(
+            {
+                "rank": item.rank,
+                "pid": item.process.pid,
+                "exit_code": item.exit_code,
+                "steps": report.get("steps"),
+                "batches": report.get("batches", stats.batches),
+                "syncs": report.get("syncs", stats.syncs),
+                "idle_s": report.get("idle_s"),
+                "wall_s": report.get("wall_s"),
+                "idle_share": _share(report.get("idle_s"), report.get("wall_s")),
+                "exit_reason": report.get("exit_reason"),
+                "final_metrics": report.get("final_metrics", {}),
+            }
+        )
+        for name, value in (report.get("final_metrics") or {}).items():
+            final_metrics.setdefault(name, []).append(value)
+    syncs_end = [e.time for e in machine.timeline if e.kind is EventKind.SYNC_END]
+    deaths = []
+    by_rank = {item.rank: item for item in spawned}
+    for event in machine.timeline.of_kind(EventKind.RANK_DEAD):
+        rank = int(event.detail["rank"])
+        detected = unix(event.time)
+        after = [t for t in syncs_end if t >= event.time]
+        recovered = unix(after[0]) if after else None
+        exited = by_rank[rank].exited_unix if rank in by_rank else None
+        origin = min(exited, detected) if exited is not None else detected
+        deaths.append(
+            {
+                "rank": rank,
+                "cause": event.detail.get("cause"),
+                "process_exit_unix": exited,
+                "detected_unix": detected,
+                "recovered_unix": recovered,
+                "detection_s": None if exited is None else max(detected - exited, 0.0),
+                "recovery_s": None if recovered is None else recovered - origin,
+            }
+        )
+    outcome = machine.outcome
+    return {
+        "status": outcome.status.value,
+        "save_reason": None if outcome.save_reason is None else outcome.save_reason.name,
+        "message": outcome.message,
+        "policy": config.coordinator.policy.value,
+        "nproc": config.nproc,
+        "started_unix": started_unix,
+        "wall_s": time.time() - started_unix,
+        "global_step": machine.cycle.global_step,
+        "rounds": machine.cycle.round,
+        "anchor": machine.elche.anchor,
+        "batch_counts": machine.counts(),
+        "ranks": ranks,
+        "deaths": deaths,
+        "epochs": machine.epoch_results,
+        "final_metrics": {
+            name: values[0] if len(values) == 1 else values
+            for name, values in final_metrics.items()
+        },
+        "timeline_events": len(machine.timeline),
+    }
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _share(idle: Any, wall: Any) -> float | None:
+    if not isinstance(idle, int | float) or not isinstance(wall, int | float) or wall <= 0:
+        return None
+    return float(idle) / float(wall)
+
+
+def print_summary(summary: dict[str, Any], stream: Any = None) -> None:
+    """A short human-readable account of a run."""
+    out = stream or sys.stdout
+    status = summary["status"]
+    reason = summary.get("save_reason")
+    print(f"\nflodl: run {status}" + (f" (saved: {reason})" if reason else ""), file=out)
+    print(f"  {summary['message']}", file=out)
+    print(f"  {'rank':>4} {'batches':>8} {'syncs':>6} {'idle':>7} {'exit':>5}", file=out)
+    for rank in summary["ranks"]:
+        share = rank.get("idle_share")
+        idle = "-" if share is None else f"{100 * share:5.1f}%"
+        print(
+            f"  {rank['rank']:>4} {rank['batches'] or 0:>8} {rank['syncs'] or 0:>6} "
+            f"{idle:>7} {rank['exit_code']!s:>5}",
+            file=out,
+        )
+    for death in summary["deaths"]:
+        rec = death.get("recovery_s")
+        shown = "-" if rec is None or math.isnan(rec) else f"{rec:.3f}s"
+        print(f"  rank {death['rank']} lost ({death['cause']}), recovered in {shown}", file=out)
+    for name, value in summary.get("final_metrics", {}).items():
+        print(f"  {name}: {value}", file=out)
+
+
+def run_succeeded(summary: dict[str, Any]) -> bool:
+    return summary["status"] == Status.COMPLETED.value and all(
+        r["exit_code"] == 0 for r in summary["ranks"]
+    )
