@@ -55,6 +55,9 @@ from flodl.wire.messages import (
 
 _names = itertools.count()
 
+TEST_KEY = b"flodl-testing-key-0123456789abcdef"
+"""The session key :func:`open_cluster` uses unless given another."""
+
 
 @attrs.define
 class RankScript:
@@ -70,6 +73,8 @@ class RankScript:
     hang_collectives: bool = False
     """Enter collectives but never finish them (a hung peer that stays alive)."""
     heartbeat_interval: float = 1.0
+    start_after: float = 0.0
+    """Seconds to wait before connecting (e.g. to let another client take the rank first)."""
     skip_completion_frames: bool = False
     """Never send the per-chunk Metrics (the coordinator's window wait then hits its ceiling)."""
     ignore_group_requests: bool = False
@@ -157,6 +162,7 @@ class ScriptedRank:
         """Connect, train as told, return when shut down (or killed by the script)."""
         self._batch_size = batch_size
         with self.cancel_scope:
+            await trio.sleep(self.script.start_after)
             stream = await connect(url)
             async with stream:
                 channel = await connect_rank(stream, key, self.rank, self.world_size)
@@ -400,7 +406,7 @@ async def open_cluster(
     batch_size: int = 10,
     epochs: int = 1,
     config: CoordinatorConfig | None = None,
-    key: bytes = b"flodl-testing-key-0123456789abcdef",
+    key: bytes = TEST_KEY,
     seed: int = 0,
 ) -> AsyncIterator[Cluster]:
     """A coordinator on a fresh ``memory://`` name with one scripted rank per script.

@@ -15,11 +15,16 @@ from trio.testing import MockClock
 from flodl.config import CoordinatorConfig, MaxFailure
 from flodl.core.machine import Status
 from flodl.core.timeline import EventKind
-from flodl.testing import Cluster, RankScript, open_cluster
+from flodl.errors import BrokenChannel, ChannelClosed, ProtocolError
+from flodl.testing import TEST_KEY, Cluster, RankScript, open_cluster
+from flodl.transports import connect
+from flodl.transports.channel import connect_rank
 from flodl.wire.messages import (
+    Batch,
     CoordHeartbeat,
     DeclareDead,
     NewGroupSession,
+    Ready,
     RequestNewGroup,
     SaveReason,
     Shutdown,
@@ -301,3 +306,25 @@ async def test_eight_unequal_ranks_calibrate_to_their_speeds_and_barely_idle(
         assert abs(counts[rank] - expected) <= max(0.05 * expected, 1.0), (rank, counts)
     for rank in range(8):
         assert idle[rank] / elapsed < 0.05, (rank, idle[rank] / elapsed)
+
+
+async def test_a_rank_lying_about_its_id_is_dropped_and_honest_ranks_go_on(
+    autojump_clock: MockClock,
+) -> None:
+    scripts = [RankScript(ms_per_batch=10), RankScript(ms_per_batch=10, start_after=1.0)]
+    async with open_cluster(scripts, dataset_size=400, batch_size=10) as cluster:
+        # An impostor takes rank 1 first and then reports batches as rank 0.
+        stream = await connect(cluster.url)
+        channel = await connect_rank(stream, TEST_KEY, 1, 2)
+        lie = Batch(rank=0, batch_ms=1.0, data_ms=0.0, step_count=1, batch_loss=0.5)
+        await channel.send(lie)
+        with pytest.raises((ChannelClosed, BrokenChannel)):
+            await channel.receive()
+        await stream.aclose()
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.status is Status.COMPLETED
+    ((rank, error),) = cluster.coordinator.rank_errors
+    assert rank == 1 and isinstance(error, ProtocolError)
+    assert "claiming to be rank 0" in str(error)
+    assert all(isinstance(r.record.ended_by, Shutdown) for r in cluster.ranks)
