@@ -24,7 +24,6 @@ from flodl.wire.messages import (
     CoordHeartbeat,
     DeclareDead,
     NewGroupSession,
-    Ready,
     RequestNewGroup,
     SaveReason,
     Shutdown,
