@@ -32,14 +32,28 @@ from flodl.config import CoordinatorConfig, check_session_key
 from flodl.core.effects import Broadcast, Send
 from flodl.core.machine import CoordinatorMachine, Disconnect, Effect, Outcome
 from flodl.core.timeline import Timeline
-from flodl.errors import CoordinatorError, FlodlError, ProtocolError
+from flodl.errors import (
+    CoordinatorError,
+    HandshakeError,
+    ProtocolError,
+    TransportError,
+    WireError,
+)
 from flodl.transports import open_listener
 from flodl.transports.channel import Channel
 from flodl.wire.messages import CoordHeartbeat, Message
 
 log = logging.getLogger("flodl.coordinator")
 
-_CONNECTION_ERRORS = (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError)
+# What ends one rank's connection. Anything else (a CoordinatorError from the machine, say)
+# is a bug of ours: it propagates and stops the coordinator rather than blaming the rank.
+_CONNECTION_ERRORS = (
+    WireError,
+    HandshakeError,
+    TransportError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+)
 
 OUTBOX_LIMIT = 4096
 """Messages queued for one rank before it is judged too slow to keep up and disconnected."""

@@ -73,6 +73,8 @@ class RankScript:
     hang_collectives: bool = False
     """Enter collectives but never finish them (a hung peer that stays alive)."""
     heartbeat_interval: float = 1.0
+    rejoin_after: float | None = None
+    """After a scripted crash, reconnect as the same rank after this many seconds (a restart)."""
     start_after: float = 0.0
     """Seconds to wait before connecting (e.g. to let another client take the rank first)."""
     skip_completion_frames: bool = False
@@ -144,7 +146,13 @@ class ScriptedRank:
         self.world_size = world_size
         self.script = script
         self.record = RankRecord()
+        self.lives = 0
+        """How many times this rank connected (2 after a rejoin)."""
         self._groups = groups
+        self._reset()
+
+    def _reset(self) -> None:
+        """Fresh process state: no work, no group, step count 0."""
         self._work: deque[tuple[int, int, int]] = deque()  # (epoch, offset, size)
         self._work_ready = trio.Event()
         self._inbox_send, self._inbox = trio.open_memory_channel[Message](math.inf)
@@ -159,10 +167,25 @@ class ScriptedRank:
     async def run(
         self, url: str, key: bytes, dataset_size: int, batch_size: int, epochs: int
     ) -> None:
-        """Connect, train as told, return when shut down (or killed by the script)."""
+        """Connect, train as told, return when shut down (or killed by the script).
+
+        With ``rejoin_after`` set, a rank killed by its script comes back once, as a restarted
+        process would: fresh state, same rank id, no scripted crash the second time.
+        """
+        await trio.sleep(self.script.start_after)
+        await self._live(url, key, dataset_size, batch_size, epochs)
+        if self.cancel_scope.cancel_called and self.script.rejoin_after is not None:
+            await trio.sleep(self.script.rejoin_after)
+            self.script = attrs.evolve(self.script, die_after_batches=None, rejoin_after=None)
+            self._reset()
+            await self._live(url, key, dataset_size, batch_size, epochs)
+
+    async def _live(
+        self, url: str, key: bytes, dataset_size: int, batch_size: int, epochs: int
+    ) -> None:
         self._batch_size = batch_size
+        self.lives += 1
         with self.cancel_scope:
-            await trio.sleep(self.script.start_after)
             stream = await connect(url)
             async with stream:
                 channel = await connect_rank(stream, key, self.rank, self.world_size)

@@ -106,6 +106,30 @@ class Job:
     epochs: int
 
 
+@attrs.frozen
+class ResumeState:
+    """Where a resumed run starts: from a checkpoint's meta (see flodl.checkpoint)."""
+
+    epoch: int = 0
+    global_step: int = 0
+    sync_round: int = 0
+    elche_state: Mapping[str, Any] | None = None
+
+
+def elche_for_world(state: Mapping[str, Any], world_size: int) -> ElChe:
+    """ElChe restored from ``state`` and fitted to ``world_size`` ranks.
+
+    Extra ranks of the saved run are dropped (the lowest indices are kept); missing ones are
+    added untimed, so ElChe calibrates them. Anchor, phase and guard latch carry over.
+    """
+    elche = ElChe.from_state(state)
+    if elche.world_size > world_size:
+        elche = elche.for_survivors(list(range(world_size)))
+    while elche.world_size < world_size:
+        elche.add_rank()
+    return elche
+
+
 @attrs.define
 class RankStats:
     """Per-rank counters kept for summaries."""
@@ -157,6 +181,7 @@ class CoordinatorMachine:
         local_ranks: frozenset[int] = frozenset(),
         seed: int = 0,
         join_timeout: float = 300.0,
+        resume: ResumeState | None = None,
     ) -> None:
         self.world_size = world_size
         self.config = config
@@ -175,6 +200,8 @@ class CoordinatorMachine:
         self.cycle = Cycle(
             world_size,
             Policy.ASYNC if policy is Policy.ASYNC else Policy.CADENCE,
+            global_step=0 if resume is None else resume.global_step,
+            round=0 if resume is None else resume.sync_round,
             reduce_stall_ceiling=config.stall_ceiling,
             heartbeat_timeout=config.heartbeat_timeout,
             max_batch_diff=config.max_batch_diff,
@@ -187,6 +214,11 @@ class CoordinatorMachine:
         self.guard: Guard = make_guard(config.guard.value, config.trend_threshold)
         self.elche = self._new_elche(world_size)
         self.members: tuple[int, ...] = ()
+        self._elche_ranks: list[int] = []
+        """Global rank of each ElChe index (survivors keep their order; joiners are appended)."""
+        self._joiners: set[int] = set()
+        """Ranks that reconnected after a death and wait for the next round to rejoin."""
+        self._resume = resume
         self.pool: ChunkPool | None = None
         self._ready: set[int] = set()
         self._plan = [0] * world_size
@@ -204,6 +236,11 @@ class CoordinatorMachine:
         self._formed_generation: int | None = None
 
     # --- construction helpers -------------------------------------------------------------
+
+    def _initial_elche(self, size: int) -> ElChe:
+        if self._resume is not None and self._resume.elche_state is not None:
+            return elche_for_world(self._resume.elche_state, size)
+        return self._new_elche(size)
 
     def _new_elche(self, size: int) -> ElChe:
         c = self.config
@@ -231,12 +268,12 @@ class CoordinatorMachine:
         if self.config.policy is Policy.SYNC:
             return dict.fromkeys(self.members, 1)
         counts = self.elche.batch_counts
-        return {rank: counts[i] for i, rank in enumerate(self.members)}
+        return {rank: counts[i] for i, rank in enumerate(self._elche_ranks)}
 
     def ms_per_batch(self) -> dict[int, float]:
-        smoothed = self.elche.smoothed_ms if len(self.members) == self.elche.world_size else []
+        smoothed = self.elche.smoothed_ms
         return {
-            rank: ms for rank, ms in zip(self.members, smoothed, strict=False) if ms is not None
+            rank: ms for rank, ms in zip(self._elche_ranks, smoothed, strict=True) if ms is not None
         }
 
     def next_deadline(self) -> float:
@@ -273,9 +310,6 @@ class CoordinatorMachine:
         """``rank`` completed its handshake."""
         if self.finished:
             return [Send(rank, Shutdown())]
-        if self.phase is not Phase.JOINING:
-            # Joining a running job (growing the group) is not supported yet: refuse clearly.
-            return [Disconnect(rank, "the run is already training; late joins are not supported")]
         self.liveness.admit(rank, now)
         self.stats[rank].joined_at = now
         self.timeline.add(now, EventKind.RANK_JOINED, rank=rank)
@@ -368,7 +402,7 @@ class CoordinatorMachine:
 
     def _on_ready(self, rank: int, ready: Ready, now: float) -> list[Effect]:
         if self.phase is not Phase.JOINING:
-            return []
+            return self._on_rejoin(rank, ready, now)
         if ready.batch_size < 1 or ready.epochs < 1 or ready.dataset_size < ready.batch_size:
             return [Disconnect(rank, f"rank {rank} described an empty job: {ready}")]
         job = Job(ready.dataset_size, ready.batch_size, ready.epochs)
@@ -383,11 +417,22 @@ class CoordinatorMachine:
         self.phase = Phase.FORMING
         return self._after_rendezvous(self.rendezvous.form_initial(now), now)
 
+    def _on_rejoin(self, rank: int, ready: Ready, now: float) -> list[Effect]:
+        """A rank (re)connected to a running job: it joins the group at the next round."""
+        job = Job(ready.dataset_size, ready.batch_size, ready.epochs)
+        if job != self.job:
+            return [Disconnect(rank, f"rank {rank} describes job {job}, the run is {self.job}")]
+        if rank in self.members:
+            return [Disconnect(rank, f"rank {rank} is already a member of the group")]
+        self._joiners.add(rank)
+        self.timeline.add(now, EventKind.RANK_JOINED, rank=rank, rejoin=True)
+        return self._maybe_trigger(now)
+
     def _eligible(self) -> frozenset[int]:
         """Ranks that may be in the next group: alive and (once training) already members."""
         if self.phase is Phase.FORMING:
             return self.alive
-        return self.alive & frozenset(self.members)
+        return self.alive & (frozenset(self.members) | self._joiners)
 
     def _on_group_ready(self, reply: NewGroupReady, now: float) -> list[Effect]:
         return self._after_rendezvous(self.rendezvous.on_ready(now, reply, self._eligible()), now)
@@ -419,12 +464,24 @@ class CoordinatorMachine:
             self.members = new_members
             for rank in set(range(self.world_size)) - set(new_members):
                 self.cycle.drop_rank(now, rank)
-            self.elche = self._new_elche(len(new_members))
+            self._elche_ranks = list(new_members)
+            self.elche = self._initial_elche(len(new_members))
             self.phase = Phase.TRAINING
-            effects += self._begin_epoch(0, now)
+            first_epoch = 0 if self._resume is None else self._resume.epoch
+            effects += self._begin_epoch(first_epoch, now)
             return effects
-        old_index = {rank: i for i, rank in enumerate(self.members)}
-        self.elche = self.elche.for_survivors([old_index[r] for r in new_members])
+        old_index = {rank: i for i, rank in enumerate(self._elche_ranks)}
+        kept = [rank for rank in self._elche_ranks if rank in new_members]
+        self.elche = self.elche.for_survivors([old_index[r] for r in kept])
+        self._elche_ranks = kept
+        for rank in new_members:
+            if rank not in old_index:
+                self.elche.add_rank()
+                self._elche_ranks.append(rank)
+                self.cycle.add_rank(rank)
+                if self.pool is not None:
+                    self.pool.readmit(rank)
+        self._joiners -= set(new_members)
         self.members = new_members
         self.phase = Phase.TRAINING
         self.timeline.add(
@@ -533,6 +590,15 @@ class CoordinatorMachine:
             if self._all_work_done() and self.cycle.settled:
                 return self._finish_or_next_epoch(now)
             return []
+        joiners = self._joiners & self.alive
+        if joiners:
+            # Grow the group first; the round then runs with the joiners in it (their mass is
+            # zero, so they receive the survivors' average and contribute nothing to it).
+            self.phase = Phase.REFORMING
+            grown = tuple(sorted(set(self.members) | joiners))
+            return self._after_rendezvous(
+                self.rendezvous.begin(now, grown, ms_per_batch=self.ms_per_batch()), now
+            )
         if self.config.policy is Policy.CADENCE and self._movers_awaited():
             self._window_wait_until = now + self.config.window_wait_ceiling
             return []
@@ -663,6 +729,7 @@ class CoordinatorMachine:
             )
         if self.phase is Phase.JOINING:
             return effects
+        self._joiners -= {loss.rank for loss in losses}
         lost = [loss.rank for loss in losses if loss.rank in self.members]
         survivors = tuple(r for r in self.members if self.liveness.is_alive(r))
         if self.phase is Phase.FORMING:

@@ -299,6 +299,20 @@ class EpochLedger:
             done = 0
         return left
 
+    def readmit(self, rank: int) -> None:
+        """Let ``rank`` hold work again as a new holder (a restarted process rejoining).
+
+        Its earlier spans are forgotten: their unfinished part was already handed out by
+        :meth:`reassign`, so its next span is a first one (StartEpoch). No-op for a rank
+        that never left.
+        """
+        if rank not in self._closed:
+            return
+        self._closed.discard(rank)
+        self._spans.pop(rank, None)
+        self._dispatched.pop(rank, None)
+        self._completed.pop(rank, None)
+
     def reassign(self, dead: int, survivors: Sequence[int]) -> list[tuple[int, ExtendPartition]]:
         """Split ``dead``'s unfinished remainder among ``survivors`` and remove ``dead``.
 
@@ -465,6 +479,10 @@ class ChunkPool:
             if message is not None:
                 sends.append((rank, message))
         return sends
+
+    def readmit(self, rank: int) -> None:
+        """See :meth:`EpochLedger.readmit`."""
+        self._ledger.readmit(rank)
 
     def reassign(self, dead: int, survivors: Sequence[int]) -> list[tuple[int, ExtendPartition]]:
         """See :meth:`EpochLedger.reassign` (chunks are whole batches, so shares are too)."""

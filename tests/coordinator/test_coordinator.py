@@ -327,3 +327,23 @@ async def test_a_rank_lying_about_its_id_is_dropped_and_honest_ranks_go_on(
     assert rank == 1 and isinstance(error, ProtocolError)
     assert "claiming to be rank 0" in str(error)
     assert all(isinstance(r.record.ended_by, Shutdown) for r in cluster.ranks)
+
+
+async def test_a_restarted_rank_rejoins_at_the_next_round(autojump_clock: MockClock) -> None:
+    scripts = [*fast(2), RankScript(ms_per_batch=10, die_after_batches=7, rejoin_after=0.5)]
+    async with open_cluster(scripts, dataset_size=6000, batch_size=10) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.status is Status.COMPLETED
+    reformed = events(cluster, EventKind.GROUP_REFORMED)
+    assert [e["members"] for e in reformed] == [[0, 1], [0, 1, 2]]
+    rejoined = [e for e in events(cluster, EventKind.RANK_JOINED) if e.get("rejoin")]
+    assert [e["rank"] for e in rejoined] == [2]
+    # It rejoined at a round boundary after its restart, and trained again afterwards.
+    assert float(reformed[1]["time"]) >= float(rejoined[0]["time"])  # type: ignore[arg-type]
+    comeback = cluster.ranks[2]
+    assert comeback.lives == 2 and comeback.record.batches > 0
+    assert comeback.record.syncs >= 1
+    samples = Counter(s for rank in cluster.ranks for s in rank.record.samples)
+    assert len(samples) == 6000 and set(samples.values()) == {1}
+    assert cluster.coordinator.machine.members == (0, 1, 2)

@@ -359,3 +359,17 @@ def test_static_epoch_with_deaths_trains_every_sample_once(
     for rank in ranks:
         seen.extend(trained_samples(ledger, rank))
     assert sorted(seen) == list(range(sum(sizes)))
+
+
+def test_readmitted_rank_starts_over_with_a_first_span() -> None:
+    pool = ChunkPool(epoch=3, n_samples=100, batch_size=10)
+    pool.dispatch(0, 2)
+    pool.dispatch(1, 2)
+    pool.complete(1)
+    sends = pool.reassign(1, [0])
+    assert [(rank, m.offset, m.size) for rank, m in sends] == [(0, 30, 10)]
+    pool.readmit(1)
+    message = pool.dispatch(1, 3)
+    assert message == StartEpoch(epoch=3, partition_offset=40, partition_size=30)
+    assert pool.ledger.in_flight(1) == 3 and pool.ledger.completed(1) == 0
+    assert 1 in pool.ledger.ranks
