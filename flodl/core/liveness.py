@@ -16,6 +16,7 @@ Rules:
 from __future__ import annotations
 
 import enum
+import heapq
 import math
 from collections.abc import Iterable
 
@@ -72,6 +73,9 @@ class Liveness:
         self._world_size = world_size
         self._timeout = float(heartbeat_timeout)
         self._last_seen: dict[int, float] = {}
+        # Lazy min-heap of (last_seen, rank): an entry is current while it equals the rank's
+        # last-seen time; stale ones are dropped when they reach the top (next_deadline).
+        self._heap: list[tuple[float, int]] = []
         self._exiting: set[int] = set()
         self._losses: list[RankLost] = []
         for rank in initial:
@@ -121,6 +125,7 @@ class Liveness:
         if rank in self._last_seen:
             raise CoordinatorError(f"liveness: rank {rank} is already alive")
         self._last_seen[rank] = now
+        self._push(rank, now)
         self._exiting.discard(rank)
 
     def on_frame(self, rank: int, now: float) -> bool:
@@ -131,7 +136,9 @@ class Liveness:
         seen = self._last_seen.get(rank)
         if seen is None:
             return False
-        self._last_seen[rank] = max(seen, now)
+        if now > seen:
+            self._last_seen[rank] = now
+            self._push(rank, now)
         return True
 
     def on_exiting(self, rank: int, now: float) -> bool:
@@ -164,7 +171,19 @@ class Liveness:
         """The earliest time :meth:`check` could declare a silent rank (None: nobody alive)."""
         if not self._last_seen:
             return None
-        return min(self._last_seen.values()) + self._timeout
+        heap, last_seen = self._heap, self._last_seen
+        while last_seen.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        return heap[0][0] + self._timeout
+
+    def _push(self, rank: int, seen: float) -> None:
+        heap = self._heap
+        if len(heap) > 2 * len(self._last_seen) + 64:
+            # Never asked for a deadline in a while: rebuild from the current entries only.
+            heap[:] = [(t, r) for r, t in self._last_seen.items()]
+            heapq.heapify(heap)
+            return  # the rebuild already holds (seen, rank)
+        heapq.heappush(heap, (seen, rank))
 
     def _lose(self, rank: int, now: float, cause: LossCause) -> RankLost:
         del self._last_seen[rank]

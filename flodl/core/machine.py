@@ -574,7 +574,17 @@ class CoordinatorMachine:
         return effects
 
     def _movers_awaited(self) -> bool:
+        if not self._awaiting_completion:  # the usual case: skip building O(world) sets
+            return False
         return bool(self._awaiting_completion & self.alive & frozenset(self.members))
+
+    def _quiesced(self) -> frozenset[int]:
+        """Members the trigger exempts (:meth:`ChunkPool.is_quiesced`): none before the pool
+        drains, which is checked first so that mid-epoch reports skip the per-rank scan."""
+        pool = self.pool
+        if pool is None or not pool.drained:
+            return frozenset()
+        return frozenset(r for r in self.members if pool.is_quiesced(r))
 
     def _maybe_trigger(self, now: float) -> list[Effect]:
         if (
@@ -585,8 +595,7 @@ class CoordinatorMachine:
             or not self.cycle.settled
         ):
             return []
-        quiesced = frozenset(r for r in self.members if self.pool.is_quiesced(r))
-        if not self.cycle.ready(self._plan, quiesced):
+        if not self.cycle.ready(self._plan, self._quiesced()):
             if self._all_work_done() and self.cycle.settled:
                 return self._finish_or_next_epoch(now)
             return []
