@@ -1,0 +1,213 @@
+"""The synchronous facade for ordinary torch loops: trio runs in a background thread.
+
+::
+
+    import flodl.worker
+
+    with flodl.worker.join(model, optimizer) as rank:          # env from `flodl run`
+        for batch in rank.batches(dataset_size=len(X), batch_size=32, epochs=10):
+            loss = step(X[batch.indices], y[batch.indices])     # plain torch
+            batch.done(loss)
+        rank.report_final(test_accuracy=evaluate(model))
+
+The training loop stays plain Python on the calling thread. Each hand-out of a batch is a call
+into the trio thread, which first does whatever the coordinator asked in the meantime
+(averaging included), so the loop and an average never touch the parameters at the same time.
+Heartbeats and control messages are served by the trio thread whatever the loop does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, SupportsFloat, TypeVar
+
+import attrs
+import trio
+
+from flodl.errors import CoordinatorError, FlodlError
+from flodl.wire.messages import EpochAggregated
+from flodl.worker.config import WorkerConfig
+from flodl.worker.runtime import Worker, open_worker
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+
+__all__ = ["Rank", "TrainingBatch", "join"]
+
+
+@attrs.define(eq=False)
+class TrainingBatch:
+    """One batch handed to the training loop: train on ``indices``, then call :meth:`done`."""
+
+    epoch: int
+    positions: range
+    """Positions in the epoch's shared sample order."""
+    indices: list[int]
+    """Dataset indices of this batch's samples."""
+    _rank: Rank
+
+    def done(self, loss: SupportsFloat, *, data_ms: float = 0.0) -> None:
+        """Report this batch finished with ``loss`` (a float or a one-element tensor)."""
+        self._rank.step_done(loss, data_ms=data_ms)
+
+
+class Rank:
+    """A rank joined to its run (a context manager; see :func:`join`)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        config: WorkerConfig | None = None,
+    ) -> None:
+        self.config = config if config is not None else WorkerConfig.from_env()
+        self._model = model
+        self._optimizer = optimizer
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._thread_error: BaseException | None = None
+        self._worker: Worker | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._close: trio.Event | None = None
+        self._exit_error: BaseException | None = None
+
+    # --- context manager ------------------------------------------------------------------
+
+    def __enter__(self) -> Rank:
+        """Connect and handshake; raises what the connection raised (e.g. CoordinatorError)."""
+        thread = threading.Thread(
+            target=self._thread_main, name=f"flodl-rank{self.config.rank}", daemon=True
+        )
+        self._thread = thread
+        thread.start()
+        self._started.wait()
+        if self._worker is None:
+            thread.join()
+            error = self._thread_error
+            if isinstance(error, BaseException):
+                raise error
+            raise CoordinatorError("the rank's trio thread ended before connecting")
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Leave the run: the backend and the connection are closed before this returns,
+        whatever ended the block (an error, Ctrl-C or a normal end)."""
+        self._exit_error = exc
+        token, close = self._token, self._close
+        if token is not None and close is not None:
+            try:
+                trio.from_thread.run_sync(close.set, trio_token=token)
+            except trio.RunFinishedError:
+                pass
+        if self._thread is not None:
+            self._thread.join()
+
+    def _thread_main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as err:
+            self._thread_error = err
+        finally:
+            self._started.set()
+
+    async def _serve(self) -> None:
+        close = trio.Event()
+        async with open_worker(self.config, self._model, self._optimizer) as worker:
+            self._close = close
+            self._token = trio.lowlevel.current_trio_token()
+            self._worker = worker
+            self._started.set()
+            await close.wait()
+            worker.note_exit(self._exit_error)
+
+    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        if self._token is None:
+            raise FlodlError("use the rank inside its `with` block")
+        try:
+            return trio.from_thread.run(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise CoordinatorError("the rank's trio thread has stopped") from None
+
+    @property
+    def worker(self) -> Worker:
+        if self._worker is None:
+            raise FlodlError("use the rank inside its `with` block")
+        return self._worker
+
+    # --- the training loop's API ----------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def global_step(self) -> int:
+        """The run's global step as last set by the coordinator (for LR schedules)."""
+        return self.worker.global_step
+
+    @property
+    def steps_since_average(self) -> int:
+        return self.worker.steps_since_average
+
+    @property
+    def last_epoch(self) -> EpochAggregated | None:
+        """The latest epoch summary the coordinator broadcast (all ranks aggregated)."""
+        return self.worker.last_epoch
+
+    def batches(self, dataset_size: int, batch_size: int, epochs: int) -> Iterator[TrainingBatch]:
+        """The batches this rank trains, as the coordinator hands them out.
+
+        Sends ``Ready`` on first use. Ends when the run is shut down; raises
+        ShutdownRequested after a ShutdownWithSave (the bundle is saved first) and
+        CoordinatorError if the coordinator is lost (a death record is written).
+        """
+        worker = self.worker
+        self._call(worker.announce, dataset_size, batch_size, epochs)
+        while True:
+            assignment = self._call(worker.next_batch)
+            if assignment is None:
+                return
+            yield TrainingBatch(
+                epoch=assignment.epoch,
+                positions=range(assignment.start, assignment.stop),
+                indices=list(assignment.indices),
+                rank=self,
+            )
+
+    def step_done(self, loss: SupportsFloat, *, data_ms: float = 0.0) -> None:
+        """Report the current batch finished (same as ``batch.done(loss)``)."""
+        value = float(loss)
+        self._call(self._done, value, data_ms)
+
+    async def _done(self, loss: float, data_ms: float) -> None:
+        await self.worker.batch_done(loss, data_ms=data_ms)
+
+    def report_final(self, **metrics: float) -> None:
+        """Record final metrics (e.g. ``test_accuracy=0.97``) for the run summary."""
+        worker = self.worker
+        trio.from_thread.run_sync(lambda: worker.report_final(**metrics), trio_token=self._token)
+
+
+def join(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: WorkerConfig | None = None,
+) -> Rank:
+    """Join the run the launcher started this process for (config from the environment).
+
+    Use as ``with join(model, optimizer) as rank: ...``; see the module docstring.
+    """
+    return Rank(model, optimizer, config)

@@ -1,0 +1,78 @@
+"""Saving this rank's model and optimizer through :mod:`flodl.checkpoint` (no pickle).
+
+Each rank writes its own bundle under ``<run_dir>/checkpoints/rank<N>/`` (ranks may hold
+different parameters when a run stops mid-window, so none overwrites another's), with a
+stem that sorts by global step. Synchronous: call it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from flodl.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@attrs.frozen
+class SavePoint:
+    """Where the run stood when this rank saved (goes into the bundle's meta)."""
+
+    epoch: int
+    global_step: int
+    sync_round: int
+    world_size: int
+    reason: str | None
+    """A SaveReason name, or None for a save that was not asked for by a shutdown."""
+
+
+def checkpoint_dir(run_dir: Path, rank: int) -> Path:
+    return run_dir / "checkpoints" / f"rank{rank}"
+
+
+def save_rank_bundle(
+    run_dir: Path,
+    rank: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    point: SavePoint,
+    *,
+    stem: str | None = None,
+) -> Path:
+    """Save model + optimizer state + meta; return the bundle's path (``<dir>/<stem>``).
+
+    Raises CheckpointError if the bundle cannot be written.
+    """
+    try:
+        from flodl.checkpoint import CheckpointMeta, save_bundle
+    except ImportError as err:  # pragma: no cover - only while flodl.checkpoint is missing
+        raise CheckpointError(f"flodl.checkpoint is not available: {err}") from err
+    from flodl import __version__
+
+    meta = CheckpointMeta(
+        epoch=point.epoch,
+        global_step=point.global_step,
+        sync_round=point.sync_round,
+        world_size_at_save=max(point.world_size, 1),
+        save_reason=point.reason,
+        elche_state=None,
+        guard_state=None,
+        created_unix=time.time(),
+        flodl_version=__version__,
+    )
+    optimizer_state: dict[str, Any] | None = (
+        None if optimizer is None else dict(optimizer.state_dict())
+    )
+    return save_bundle(
+        checkpoint_dir(run_dir, rank),
+        stem or f"flodl-step{point.global_step:09d}",
+        model_state=dict(model.state_dict()),
+        optimizer_state=optimizer_state,
+        meta=meta,
+        config={"rank": rank, "world_size": point.world_size},
+    )
