@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 
 __all__ = ["join_tree", "split_tree", "storable"]
 
+
+def _child(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
 _SPECIAL_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _TAGS = frozenset({"tensor", "dict", "tuple", "float"})
 
@@ -92,9 +97,9 @@ def split_tree(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             tensors[key] = value
             return {"tensor": key}
         if isinstance(value, tuple):
-            return {"tuple": [encode(v, f"{path}.{i}") for i, v in enumerate(value)]}
+            return {"tuple": [encode(v, _child(path, i)) for i, v in enumerate(value)]}
         if isinstance(value, list):
-            return [encode(v, f"{path}.{i}") for i, v in enumerate(value)]
+            return [encode(v, _child(path, i)) for i, v in enumerate(value)]
         if isinstance(value, Mapping):
             items = []
             for k, v in value.items():
@@ -103,7 +108,7 @@ def split_tree(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
                         f"state at {path or '<root>'} has a key of type {type(k).__name__}; "
                         "only str and int keys can be saved"
                     )
-                items.append([k if isinstance(k, str) else int(k), encode(v, f"{path}.{k}")])
+                items.append([k if isinstance(k, str) else int(k), encode(v, _child(path, k))])
             return {"dict": items}
         raise CheckpointError(
             f"state at {path or '<root>'} holds a {type(value).__name__}, which cannot be saved "
@@ -127,7 +132,7 @@ def join_tree(structure: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         if node is None or isinstance(node, bool | str | int | float):
             return node
         if isinstance(node, list):
-            return [decode(v, f"{path}.{i}") for i, v in enumerate(node)]
+            return [decode(v, _child(path, i)) for i, v in enumerate(node)]
         if not isinstance(node, dict) or len(node) != 1 or next(iter(node)) not in _TAGS:
             raise CheckpointError(f"malformed state structure at {path or '<root>'}: {node!r}")
         ((tag, body),) = node.items()
@@ -145,7 +150,7 @@ def join_tree(structure: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         if not isinstance(body, list):
             raise CheckpointError(f"malformed {tag} at {path or '<root>'}: {body!r}")
         if tag == "tuple":
-            return tuple(decode(v, f"{path}.{i}") for i, v in enumerate(body))
+            return tuple(decode(v, _child(path, i)) for i, v in enumerate(body))
         out: dict[Any, Any] = {}
         for item in body:
             if (
@@ -157,7 +162,7 @@ def join_tree(structure: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
                 raise CheckpointError(f"malformed dict entry at {path or '<root>'}: {item!r}")
             if item[0] in out:
                 raise CheckpointError(f"duplicate key {item[0]!r} at {path or '<root>'}")
-            out[item[0]] = decode(item[1], f"{path}.{item[0]}")
+            out[item[0]] = decode(item[1], _child(path, item[0]))
         return out
 
     tree = decode(structure, "")
