@@ -1,0 +1,288 @@
+"""Workers and a real coordinator in one trio run: memory transport, real gloo groups.
+
+Fast checks of the protocol paths (every policy runs to completion, samples are covered
+once per epoch, averages leave identical parameters), then scripted coordinators for the
+paths a healthy run never takes (silence, a cut connection, save-and-stop, checkpoint).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from flodl.backends.gloo import GlooBackend
+from flodl.config import CoordinatorConfig
+from flodl.coordinator import open_coordinator
+from flodl.core.cycle import Policy
+from flodl.core.machine import Status
+from flodl.errors import CoordinatorError, FlodlError, ShutdownRequested
+from flodl.transports import open_listener
+from flodl.transports.channel import Channel, accept_rank
+from flodl.wire.messages import (
+    Batch,
+    Checkpoint,
+    CheckpointResult,
+    Exiting,
+    Heartbeat,
+    Message,
+    Note,
+    Ready,
+    SaveReason,
+    ShutdownWithSave,
+    StartEpoch,
+)
+from flodl.worker import WorkerConfig, open_worker
+from flodl.worker.records import tensors_sha256
+
+KEY = b"worker-inprocess-test-key-0123456789"
+DATASET, BATCH, EPOCHS = 48, 4, 2
+_names = itertools.count()
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+
+
+def worker_config(url: str, rank: int, world: int, run_dir: Path, **kw: object) -> WorkerConfig:
+    settings: dict[str, object] = {
+        "backend": "gloo",
+        "heartbeat_timeout": 5.0,
+        "heartbeat_interval": 0.2,
+        "op_timeout": 5.0,
+        "run_dir": run_dir,
+        "debug_param_hashes": True,
+        **kw,
+    }
+    return WorkerConfig(
+        coordinator=url,
+        session_key=KEY,
+        rank=rank,
+        world_size=world,
+        **settings,  # type: ignore[arg-type]
+    )
+
+
+async def train(
+    config: WorkerConfig, model: torch.nn.Module, seen: list[tuple[int, int]]
+) -> dict[str, object]:
+    """A plain training loop over the async API; returns the rank's report."""
+    x = torch.linspace(-1, 1, DATASET * 3).reshape(DATASET, 3)
+    y = x.sum(dim=1, keepdim=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    async with open_worker(config, model, optimizer) as worker:
+        await worker.announce(DATASET, BATCH, EPOCHS)
+        while (item := await worker.next_batch()) is not None:
+            seen.extend((item.epoch, i) for i in item.indices)
+            idx = list(item.indices)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            await worker.batch_done(loss.item())
+        worker.report_final(done=1.0)
+    report: dict[str, object] = json.loads((config.run_dir / f"rank{config.rank}.json").read_text())
+    return report
+
+
+@pytest.mark.parametrize("policy", [Policy.SYNC, Policy.CADENCE, Policy.ASYNC])
+async def test_two_workers_train_every_sample_once_per_epoch(
+    policy: Policy, tmp_path: Path
+) -> None:
+    coordinator_config = CoordinatorConfig(
+        policy=policy, heartbeat_interval=0.2, heartbeat_timeout=5.0, anchor=3
+    )
+    url = f"memory://worker-inproc-{next(_names)}"
+    models = [make_model(seed=r) for r in range(2)]  # different starts: averaging must matter
+    seen: list[list[tuple[int, int]]] = [[], []]
+    reports: list[dict[str, object]] = [{}, {}]
+    with trio.fail_after(60):
+        async with open_coordinator(url, 2, KEY, coordinator_config, linger=5.0) as coord:
+            async with trio.open_nursery() as nursery:
+                for rank in range(2):
+
+                    async def run(rank: int = rank) -> None:
+                        config = worker_config(coord.url, rank, 2, tmp_path, policy=policy)
+                        reports[rank] = await train(config, models[rank], seen[rank])
+
+                    nursery.start_soon(run)
+            outcome = await coord.wait_finished()
+    assert outcome.status is Status.COMPLETED, outcome
+    for epoch in range(EPOCHS):
+        trained = sorted(i for part in seen for e, i in part if e == epoch)
+        assert trained == list(range(DATASET)), f"epoch {epoch}"
+    assert sum(int(r["batches"]) for r in reports) == EPOCHS * DATASET // BATCH  # type: ignore[call-overload]
+    for report in reports:
+        assert report["exit_reason"] == "completed"
+        assert report["final_metrics"] == {"done": 1.0}
+        assert int(report["syncs"]) >= 1  # type: ignore[call-overload]
+        assert report["steps"] == int(report["batches"]) + int(report["syncs"])  # type: ignore[call-overload]
+    if policy is not Policy.ASYNC:
+        # Every round left both ranks with bitwise-identical parameters, and the run ends
+        # on an average, so the final models are identical too.
+        hashes = [
+            {h["round"]: h["sha256"] for h in r["param_hashes"]}  # type: ignore[attr-defined]
+            for r in reports
+        ]
+        assert hashes[0] == hashes[1] and hashes[0]
+        final = [tensors_sha256(list(m.parameters())) for m in models]
+        assert final[0] == final[1]
+    else:
+        assert not torch.equal(next(models[0].parameters()), next(make_model(seed=0).parameters()))
+
+
+# --- scripted coordinators --------------------------------------------------------------
+
+
+class Peer:
+    """The coordinator side of one scripted connection: send, and wait for what arrived."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.received: list[Message] = []
+        self._arrived = trio.Event()
+        self.mark = trio.Event()
+        """Set by a script to tell the test it reached a point."""
+
+    async def read(self) -> None:
+        try:
+            async for message in self.channel:
+                self.received.append(message)
+                self._arrived.set()
+                self._arrived = trio.Event()
+        except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def expect(self, kind: type[Message]) -> Message:
+        """Wait until a message of ``kind`` has arrived; return the first one."""
+        while True:
+            arrived = self._arrived
+            for message in self.received:
+                if isinstance(message, kind):
+                    return message
+            await arrived.wait()
+
+
+@asynccontextmanager
+async def scripted_coordinator(
+    script: Callable[[Peer], Awaitable[None]],
+) -> AsyncIterator[tuple[str, trio.Event, list[Message]]]:
+    """Accept one rank on a memory address and run ``script(peer)`` for it.
+
+    Yields the address, the script's ``mark`` event and the list of frames from the rank.
+    """
+    listener = await open_listener(f"memory://worker-scripted-{next(_names)}")
+    mark = trio.Event()
+    received: list[Message] = []
+    async with listener, trio.open_nursery() as nursery:
+
+        async def serve() -> None:
+            stream = await listener.accept()
+            _, channel = await accept_rank(stream, KEY, 1, taken=lambda _r: False)
+            peer = Peer(channel)
+            peer.mark = mark
+            peer.received = received
+            async with trio.open_nursery() as inner:
+                inner.start_soon(peer.read)
+                await script(peer)
+                inner.cancel_scope.cancel()
+
+        nursery.start_soon(serve)
+        yield listener.url, mark, received
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_silent_coordinator_ends_the_loop_with_a_death_record(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    async def stay_silent(peer: Peer) -> None:
+        await trio.sleep_forever()
+
+    async with scripted_coordinator(stay_silent) as (url, _mark, received):
+        config = worker_config(url, 0, 1, tmp_path, heartbeat_timeout=30.0, heartbeat_interval=1)
+        async with open_worker(config, make_model(0), backend=GlooBackend()) as worker:
+            await worker.announce(DATASET, BATCH, EPOCHS)
+            started = trio.current_time()
+            with pytest.raises(CoordinatorError, match="silent for 30 s"):
+                await worker.next_batch()
+            assert trio.current_time() - started == pytest.approx(30.0, abs=1.0)
+    assert isinstance(received[0], Ready)
+    beats = [m for m in received if isinstance(m, Heartbeat)]
+    assert len(beats) >= 28  # the rank kept beating while it waited
+    record = json.loads((tmp_path / "rank0.death.json").read_text())
+    assert record["rank"] == 0 and record["world_size"] == 1
+    assert "silent for 30 s" in record["error"] and record["unix_time_secs"] > 0
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report["exit_reason"].startswith("coordinator_lost")
+
+
+async def test_a_cut_connection_ends_the_loop_with_a_death_record(tmp_path: Path) -> None:
+    async def hang_up(peer: Peer) -> None:
+        await peer.expect(Ready)
+        await peer.channel.aclose()
+
+    async with scripted_coordinator(hang_up) as (url, _mark, _received):
+        config = worker_config(url, 0, 1, tmp_path)
+        with trio.fail_after(10):
+            async with open_worker(config, make_model(0), backend=GlooBackend()) as worker:
+                await worker.announce(DATASET, BATCH, EPOCHS)
+                with pytest.raises(CoordinatorError, match="lost the connection"):
+                    await worker.next_batch()
+    record = json.loads((tmp_path / "rank0.death.json").read_text())
+    assert "lost the connection" in record["error"]
+
+
+async def test_checkpoint_then_shutdown_with_save(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+
+    async def save_and_stop(peer: Peer) -> None:
+        send = peer.channel.send
+        await send(StartEpoch(epoch=0, partition_offset=0, partition_size=2 * BATCH))
+        await send(Checkpoint(version=4, target_rank=5))  # someone else's: ignored
+        await send(Checkpoint(version=3, target_rank=0))
+        peer.mark.set()
+        await peer.expect(CheckpointResult)
+        await send(ShutdownWithSave(reason=SaveReason.REDUCE_STALL))
+        await trio.sleep_forever()
+
+    model = make_model(0)
+    async with scripted_coordinator(save_and_stop) as (url, mark, received):
+        config = worker_config(url, 0, 1, tmp_path)
+        with trio.fail_after(20):
+            async with open_worker(config, model, backend=GlooBackend()) as worker:
+                await worker.announce(DATASET, BATCH, EPOCHS)
+                item = await worker.next_batch()
+                assert item is not None and item.size == BATCH
+                await mark.wait()  # the checkpoint was requested by now
+                await worker.batch_done(0.5)
+                item = await worker.next_batch()  # saved by now: hands out the second batch
+                assert item is not None and item.start == BATCH
+                await worker.batch_done(0.25)
+                with pytest.raises(ShutdownRequested, match="save and stop: REDUCE_STALL") as info:
+                    await worker.next_batch()
+                assert info.value.reason is SaveReason.REDUCE_STALL
+                with pytest.raises(ShutdownRequested):  # and again on every later call
+                    await worker.next_batch()
+            await trio.sleep(0.05)
+    assert sum(isinstance(m, Batch) for m in received) == 2
+    results = [m for m in received if isinstance(m, CheckpointResult)]
+    assert [(r.version, r.error) for r in results] == [(3, None)]
+    assert isinstance(received[-1], Exiting) and isinstance(received[-2], Note)
+    from flodl.checkpoint import load_bundle
+
+    bundle = load_bundle(tmp_path / "checkpoints" / "rank0")
+    assert bundle.meta.save_reason == "REDUCE_STALL"
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(bundle.model_state[name], tensor)
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report["exit_reason"] == "shutdown_with_save:REDUCE_STALL"
+    assert report["checkpoint"] == str(bundle.path)
+    assert math.isfinite(report["wall_s"])
