@@ -1,0 +1,683 @@
+"""Coordinator scale benchmark: how many ranks one coordinator serves on one core.
+
+Writes bench/results/coordinator.json and prints a short table.
+
+Setup (one trio process, one thread, real clock): a real coordinator
+(:func:`flodl.coordinator.open_coordinator` on a fresh ``memory://`` name, default
+:class:`~flodl.config.CoordinatorConfig`) and N lean simulated ranks. Each rank connects with
+:func:`~flodl.transports.channel.connect_rank` (a real handshake), sends ``Ready`` for a job too
+large to end (10**9 samples, batch size 1), answers ``RequestNewGroup`` with ``NewGroupReady``,
+and then follows the work protocol of :mod:`flodl.core.machine`:
+
+* its batches finish on a 10 Hz grid with a random phase per rank (so the ranks do not all
+  report at once): at each grid tick where it holds work it sends one ``Batch``; when its work
+  runs out it sends the ``Metrics`` completion frame and waits for more;
+* it answers ``SyncNow`` at once with ``SyncAck`` (no real averaging) and obeys ``Throttle``;
+* it sends a ``Heartbeat`` every second, on a random phase of its own.
+
+The offered load is therefore 10 Batch/s + 1 Heartbeat/s per rank (plus about one Metrics and
+one SyncAck per averaging window). Ranks that wait for the averaging barrier at the end of a
+window offer nothing meanwhile, so even an instant coordinator sees about 9 Batch/s per rank;
+a slow coordinator stretches the barrier and the rate falls further (that is the
+back-pressure a real run would feel).
+
+Measurement, after a warm-up (all ranks joined, the group formed, two averaging rounds
+started), for ``--seconds`` per rank count:
+
+* **Message latency** (the tick loop's latency for an event): for every message a rank sends,
+  the trio time just before the rank hands it to its Channel (queueing behind the rank's own
+  earlier frames, the memory stream, framing, HMAC and decoding all count) to the trio time the
+  coordinator passes as ``now`` to ``CoordinatorMachine.on_message`` for it. Frames of one
+  connection are decoded in order, so send times are matched per rank in FIFO order.
+* **Timer lateness**: a probe task sleeps in a cancel scope until a deadline 50 ms ahead, as
+  the coordinator's deadline loop does, and records wake time minus deadline; the deadline
+  loop's own wakes are recorded the same way (actual ``on_tick`` time minus the deadline its
+  cancel scope held), though in steady state it rarely wakes.
+* The target is met when p99 of both latencies is under 50 ms and the ranks still deliver at
+  least 90% of the nominal Batch rate (9 Batch/s per rank).
+* **CPU**: ``time.process_time`` over the window divided by the messages the coordinator
+  received (``cpu_us_per_message``; ranks and coordinator share the core, so this includes the
+  ranks' own encoding), and the coordinator's share: the wall time of trio task steps of
+  ``flodl.*`` tasks (the coordinator's readers, writers, heartbeat and deadline loops), measured
+  with a trio instrument; ``machine`` is the part spent inside the decision machine's calls.
+
+The library's one-clock rule is for flodl/; this bench also reads time.perf_counter and
+time.process_time to measure CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import heapq
+import itertools
+import json
+import math
+import os
+import platform
+import pstats
+import random
+import sys
+import time
+from array import array
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import trio
+import trio.lowlevel
+
+from flodl.config import CoordinatorConfig
+from flodl.coordinator import open_coordinator
+from flodl.core.machine import CoordinatorMachine, Effect
+from flodl.errors import FlodlError
+from flodl.transports import connect
+from flodl.transports.channel import Channel, connect_rank
+from flodl.wire.messages import (
+    Batch,
+    ExtendPartition,
+    Heartbeat,
+    Message,
+    Metrics,
+    NewGroupReady,
+    Ready,
+    RequestNewGroup,
+    Shutdown,
+    ShutdownWithSave,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    Throttle,
+)
+
+KEY = b"coordinator-scale-bench-key-0123"
+RESULTS = Path(__file__).resolve().parent / "results" / "coordinator.json"
+
+BATCH_PERIOD_S = 0.1
+"""Each rank finishes a batch every 100 ms while it holds work (10 Batch/s)."""
+HEARTBEAT_PERIOD_S = 1.0
+DATASET_SIZE = 10**9
+"""Samples per epoch: far more than a run of minutes can consume, so the run never ends."""
+TARGET_P99_S = 0.050
+TARGET_RANKS = 1024
+MIN_BATCH_RATE_SHARE = 0.9
+"""The target also needs >= 90% of the nominal Batch rate: a coordinator that only keeps its
+latency low by slowing every window down does not sustain the load."""
+PROBE_AHEAD_S = 0.050
+WARMUP_ROUNDS = 2
+WARMUP_LIMIT_S = 120.0
+DEFAULT_COUNTS = (64, 128, 256, 512, 1024, 1536, 2048)
+QUICK_COUNTS = (16, 64)
+
+LATENCY_DEFINITION = (
+    "message latency: trio time just before a simulated rank hands a message to its Channel, "
+    "to the trio time the coordinator passes as `now` to CoordinatorMachine.on_message for it "
+    "(matched per rank in FIFO order; includes the rank's own send queue, the memory stream, "
+    "framing, HMAC and decoding, and every wait for the one shared core). timer lateness: wake "
+    "time minus deadline of a probe task that sleeps in a cancel scope 50 ms ahead, as the "
+    "coordinator's deadline loop does, plus the deadline loop's own wakes (on_tick time minus "
+    "its cancel scope's deadline). Quantiles are nearest-rank over the measured window. The "
+    "target is met when p99 of both is below 50 ms and ranks deliver >= 90% of 10 Batch/s."
+)
+
+
+# --- measurement ------------------------------------------------------------------------------
+
+
+def quantile(ordered: Sequence[float], q: float) -> float:
+    """Nearest-rank quantile of an ascending sequence (``nan`` when empty)."""
+    if not ordered:
+        return math.nan
+    index = max(0, math.ceil(q * len(ordered)) - 1)
+    return ordered[min(index, len(ordered) - 1)]
+
+
+def summarize_ms(samples: Sequence[float]) -> dict[str, float | int]:
+    """Count, p50, p99 and max of ``samples`` (seconds), in milliseconds."""
+    ordered = sorted(samples)
+    return {
+        "count": len(ordered),
+        "p50_ms": round(quantile(ordered, 0.50) * 1000.0, 3),
+        "p99_ms": round(quantile(ordered, 0.99) * 1000.0, 3),
+        "max_ms": round(ordered[-1] * 1000.0, 3) if ordered else math.nan,
+    }
+
+
+class Recorder:
+    """Everything one run measures; recording is on only inside the measured window."""
+
+    def __init__(self, ranks: int) -> None:
+        self.sent_at: list[deque[float]] = [deque() for _ in range(ranks)]
+        self.measuring = False
+        self.latency = array("d")
+        self.latency_by_kind: dict[str, array[float]] = {}
+        self.received = Counter[str]()
+        """Messages the coordinator's machine processed in the window, by kind."""
+        self.delivered = Counter[str]()
+        """Messages ranks received from the coordinator in the window, by kind."""
+        self.timer_lateness = array("d")
+        self.deadline_lateness = array("d")
+        self.machine_s = 0.0
+        self.late_rank_ticks = 0
+        self.unmatched = 0
+        self.warm = trio.Event()
+        self.all_connected_at: float | None = None
+        self.first_round_at: float | None = None
+
+    def sending(self, rank: int) -> None:
+        """A rank is about to hand a message to its Channel (call with no await in between)."""
+        self.sent_at[rank].append(trio.current_time())
+
+    def processed(self, rank: int, message: Message, now: float) -> None:
+        queue = self.sent_at[rank]
+        if not queue:
+            self.unmatched += 1
+            return
+        sent = queue.popleft()
+        if self.measuring:
+            kind = type(message).__name__
+            self.received[kind] += 1
+            self.latency.append(now - sent)
+            self.latency_by_kind.setdefault(kind, array("d")).append(now - sent)
+
+
+def instrument_machine(machine: CoordinatorMachine, recorder: Recorder) -> None:
+    """Wrap the machine's entry points to time messages and the deadline loop's wakes.
+
+    The shell calls these methods through the instance, so wrappers installed here see every
+    call; behaviour is unchanged (each wrapper returns what the original returns).
+    """
+    on_message = machine.on_message
+    on_tick = machine.on_tick
+    next_deadline = machine.next_deadline
+    perf = time.perf_counter
+    armed = [math.inf]  # the deadline loop's cancel-scope deadline: min of next_deadline() since
+
+    def timed_on_message(rank: int, message: Message, now: float) -> list[Effect]:
+        recorder.processed(rank, message, now)
+        started = perf()
+        effects = on_message(rank, message, now)
+        if recorder.measuring:
+            recorder.machine_s += perf() - started
+        elif not recorder.warm.is_set() and machine.cycle.round >= WARMUP_ROUNDS:
+            recorder.warm.set()
+        if recorder.first_round_at is None and machine.cycle.round >= 1:
+            recorder.first_round_at = now
+        return effects
+
+    def timed_on_tick(now: float) -> list[Effect]:
+        if recorder.measuring and math.isfinite(armed[0]):
+            recorder.deadline_lateness.append(now - armed[0])
+        armed[0] = math.inf
+        started = perf()
+        effects = on_tick(now)
+        if recorder.measuring:
+            recorder.machine_s += perf() - started
+        return effects
+
+    def watched_next_deadline() -> float:
+        deadline = next_deadline()
+        armed[0] = min(armed[0], deadline)
+        return deadline
+
+    machine.on_message = timed_on_message  # type: ignore[method-assign]
+    machine.on_tick = timed_on_tick  # type: ignore[method-assign]
+    machine.next_deadline = watched_next_deadline  # type: ignore[method-assign]
+
+
+class CpuSplit(trio.abc.Instrument):
+    """Wall time of trio task steps, split into coordinator (``flodl.*``), ranks and the rest.
+
+    The process is single-threaded and the steps never block, so step wall time is CPU time
+    unless the OS preempts the process. What no task step covers (trio's scheduler, I/O
+    polling, this instrument) is the process CPU time minus the sum of the steps.
+    """
+
+    CATEGORIES = ("coordinator", "ranks", "probe", "trio")
+
+    def __init__(self) -> None:
+        self.totals = dict.fromkeys(self.CATEGORIES, 0.0)
+        self._category: dict[trio.lowlevel.Task, str] = {}
+        self._started = 0.0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._started = time.perf_counter()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        took = time.perf_counter() - self._started
+        category = self._category.get(task)
+        if category is None:
+            category = self._category[task] = _category_of(task.name)
+        self.totals[category] += took
+
+    def task_exited(self, task: trio.lowlevel.Task) -> None:
+        self._category.pop(task, None)
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.totals)
+
+
+def _category_of(name: str) -> str:
+    if name.startswith("flodl."):
+        return "coordinator"
+    if "timer_probe" in name:
+        return "probe"
+    if "LeanRank" in name or "Metronome" in name:
+        return "ranks"
+    return "trio"
+
+
+async def timer_probe(recorder: Recorder) -> None:
+    """Sleep in a cancel scope until 50 ms ahead, again and again; record the lateness."""
+    while True:
+        deadline = trio.current_time() + PROBE_AHEAD_S
+        with trio.CancelScope(deadline=deadline):
+            await trio.sleep_forever()
+        if recorder.measuring:
+            recorder.timer_lateness.append(trio.current_time() - deadline)
+
+
+# --- the lean simulated rank --------------------------------------------------------------------
+
+
+class Metronome:
+    """One timer for all simulated ranks: wakes waiters at the first 2 ms slot at or after
+    their time.
+
+    A trio sleep costs a cancel scope and a Cancelled exception; thousands of ranks sleeping on
+    their own would spend much of the shared core on that, which a real rank (on its own
+    machine) never charges to the coordinator. Here a rank waits on an Event of its slot.
+    """
+
+    SLOT_S = 0.002
+
+    def __init__(self) -> None:
+        self._events: dict[int, trio.Event] = {}
+        self._pending: list[int] = []
+        self._fired_through = math.floor(trio.current_time() / self.SLOT_S)
+
+    async def wait_until(self, when: float) -> None:
+        """Return at the slot boundary at or after ``when`` (checkpoints once if it passed)."""
+        slot = math.ceil(when / self.SLOT_S)
+        if slot <= self._fired_through:
+            await trio.lowlevel.checkpoint()
+            return
+        event = self._events.get(slot)
+        if event is None:
+            event = self._events[slot] = trio.Event()
+            heapq.heappush(self._pending, slot)
+        await event.wait()
+
+    async def run(self) -> None:
+        """Fire the slots as their time comes (late slots all at once); runs until cancelled."""
+        while True:
+            await trio.sleep_until((self._fired_through + 1) * self.SLOT_S)
+            self._fired_through = math.floor(trio.current_time() / self.SLOT_S)
+            pending = self._pending
+            while pending and pending[0] <= self._fired_through:
+                self._events.pop(heapq.heappop(pending)).set()
+
+
+class LeanRank:
+    """A rank that only talks: Batch on a 10 Hz grid while it holds work, heartbeats, acks."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        recorder: Recorder,
+        metronome: Metronome,
+        rng: random.Random,
+    ) -> None:
+        self.rank = rank
+        self.metronome = metronome
+        self.world_size = world_size
+        self.recorder = recorder
+        self.batch_phase = rng.uniform(0.0, BATCH_PERIOD_S)
+        self.heartbeat_phase = rng.uniform(0.0, HEARTBEAT_PERIOD_S)
+        self.work = 0
+        """Batches given and not yet run."""
+        self.epoch = 0
+        self.step_count = 0
+        self.chunk_batches = 0
+        self.chunk_started = 0.0
+        self.throttled = False
+        self.work_arrived = trio.Event()
+
+    async def run(self, url: str, key: bytes) -> None:
+        """Connect, then serve until Shutdown, the connection ends, or cancellation."""
+        stream = await connect(url)
+        async with stream:
+            channel = await connect_rank(stream, key, self.rank, self.world_size)
+            ready = Ready(rank=self.rank, dataset_size=DATASET_SIZE, batch_size=1, epochs=1)
+            await self.send(channel, ready)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.heartbeats, channel)
+                nursery.start_soon(self.batches, channel)
+                try:
+                    await self.receive(channel)
+                except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+                nursery.cancel_scope.cancel()
+
+    async def send(self, channel: Channel, message: Message) -> None:
+        self.recorder.sending(self.rank)
+        await channel.send(message)
+
+    async def heartbeats(self, channel: Channel) -> None:
+        beat_at = trio.current_time() + self.heartbeat_phase
+        while True:
+            await self.metronome.wait_until(beat_at)
+            beat_at += HEARTBEAT_PERIOD_S
+            await self.send(channel, Heartbeat(rank=self.rank, step_count=self.step_count))
+
+    async def batches(self, channel: Channel) -> None:
+        tick = self.batch_phase
+        while True:
+            while self.work == 0 or self.throttled:
+                self.work_arrived = trio.Event()
+                await self.work_arrived.wait()
+                tick = _next_grid_tick(trio.current_time(), self.batch_phase, BATCH_PERIOD_S)
+            await self.metronome.wait_until(tick)
+            now = trio.current_time()
+            tick += BATCH_PERIOD_S
+            if tick <= now:  # this task fell a whole period behind: skip the missed ticks
+                if self.recorder.measuring:
+                    self.recorder.late_rank_ticks += 1
+                tick = _next_grid_tick(now, self.batch_phase, BATCH_PERIOD_S)
+            if self.work == 0 or self.throttled:
+                continue
+            if self.chunk_batches == 0:
+                self.chunk_started = now - BATCH_PERIOD_S
+            self.work -= 1
+            self.step_count += 1
+            self.chunk_batches += 1
+            batch = Batch(
+                rank=self.rank,
+                batch_ms=BATCH_PERIOD_S * 1000.0,
+                data_ms=0.0,
+                step_count=self.step_count,
+                batch_loss=1.0,
+            )
+            await self.send(channel, batch)
+            if self.work == 0:
+                done = Metrics(
+                    rank=self.rank,
+                    epoch=self.epoch,
+                    avg_loss=1.0,
+                    batches_processed=self.chunk_batches,
+                    samples_processed=self.chunk_batches,
+                    epoch_ms=(trio.current_time() - self.chunk_started) * 1000.0,
+                )
+                self.chunk_batches = 0
+                await self.send(channel, done)
+
+    async def receive(self, channel: Channel) -> None:
+        async for message in channel:
+            if self.recorder.measuring:
+                self.recorder.delivered[type(message).__name__] += 1
+            if isinstance(message, StartEpoch | ExtendPartition):
+                self.epoch = message.epoch
+                size = message.partition_size if isinstance(message, StartEpoch) else message.size
+                self.work += size  # batch size 1: one batch per sample
+                self.work_arrived.set()
+            elif isinstance(message, SyncNow):
+                self.throttled = False
+                self.work_arrived.set()
+                self.step_count += 1  # a finished collective bumps the step count
+                ack = SyncAck(rank=self.rank, round=message.round, step_count=self.step_count)
+                await self.send(channel, ack)
+            elif isinstance(message, RequestNewGroup):
+                reply = NewGroupReady(rank=self.rank, generation=message.generation, info=b"sim")
+                await self.send(channel, reply)
+            elif isinstance(message, Throttle):
+                self.throttled = True
+            elif isinstance(message, Shutdown | ShutdownWithSave):
+                return
+
+
+def _next_grid_tick(now: float, phase: float, period: float) -> float:
+    """The first time ``phase + k * period`` (k integer) strictly after ``now``."""
+    return phase + (math.floor((now - phase) / period) + 1) * period
+
+
+# --- one run ------------------------------------------------------------------------------------
+
+_run_names = itertools.count()
+
+
+async def measure(ranks: int, seconds: float, seed: int, split: CpuSplit) -> dict[str, Any]:
+    """Serve ``ranks`` lean ranks with one real coordinator; measure ``seconds`` after warm-up."""
+    recorder = Recorder(ranks)
+    rng = random.Random(seed)
+    url = f"memory://coordinator-scale-{os.getpid()}-{next(_run_names)}"
+    started = trio.current_time()
+    with trio.CancelScope() as everything:
+        async with open_coordinator(url, ranks, KEY, CoordinatorConfig(), linger=0.0) as coord:
+            machine = coord.machine
+            instrument_machine(machine, recorder)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(timer_probe, recorder)
+                metronome = Metronome()
+                nursery.start_soon(metronome.run)
+                for rank in range(ranks):
+                    lean = LeanRank(rank, ranks, recorder, metronome, rng)
+                    nursery.start_soon(lean.run, coord.url, KEY)
+                with trio.fail_after(WARMUP_LIMIT_S):
+                    await recorder.warm.wait()
+                warm_at = trio.current_time()
+                cpu_before, wall_before = time.process_time(), time.perf_counter()
+                split_before = split.snapshot()
+                recorder.measuring = True
+                await trio.sleep(seconds)
+                recorder.measuring = False
+                cpu = time.process_time() - cpu_before
+                wall = time.perf_counter() - wall_before
+                split_after = split.snapshot()
+                rounds = machine.cycle.round
+                anchor = machine.elche.anchor
+                # End the run first (hang-ups after the end are not deaths), then cancel the
+                # coordinator and the ranks together, so no connection ends in an error.
+                coord.request_stop(save=True)
+                everything.cancel()
+    steps = {k: split_after[k] - split_before[k] for k in split.CATEGORIES}
+    return _row(ranks, seconds, recorder, cpu, wall, steps, warm_at - started, rounds, anchor)
+
+
+def _row(
+    ranks: int,
+    seconds: float,
+    recorder: Recorder,
+    cpu: float,
+    wall: float,
+    steps: dict[str, float],
+    warmup_s: float,
+    rounds: int,
+    anchor: int,
+) -> dict[str, Any]:
+    received = sum(recorder.received.values())
+    latency = summarize_ms(recorder.latency)
+    timer = summarize_ms(list(recorder.timer_lateness) + list(recorder.deadline_lateness))
+    batch_rate = recorder.received["Batch"] / wall / ranks
+    p99_worst = max(latency["p99_ms"], timer["p99_ms"])
+    meets = (
+        received > 0
+        and p99_worst < TARGET_P99_S * 1000.0
+        and batch_rate >= MIN_BATCH_RATE_SHARE / BATCH_PERIOD_S
+    )
+    coordinator_s = steps["coordinator"]
+    return {
+        "ranks": ranks,
+        "seconds": round(wall, 3),
+        "warmup_s": round(warmup_s, 3),
+        "messages": received,
+        "messages_per_s": round(received / wall, 1),
+        "messages_by_kind": dict(sorted(recorder.received.items())),
+        "sent_to_ranks_per_s": round(sum(recorder.delivered.values()) / wall, 1),
+        "sent_to_ranks_by_kind": dict(sorted(recorder.delivered.items())),
+        "batch_per_rank_s": round(batch_rate, 3),
+        "offered_messages_per_s": round(ranks * (1 / BATCH_PERIOD_S + 1 / HEARTBEAT_PERIOD_S)),
+        "latency": latency,
+        "latency_p99_ms_by_kind": {
+            kind: summarize_ms(values)["p99_ms"]
+            for kind, values in sorted(recorder.latency_by_kind.items())
+        },
+        "timer_lateness": timer,
+        "deadline_loop_wakes": len(recorder.deadline_lateness),
+        "late_rank_ticks": recorder.late_rank_ticks,
+        "unmatched_messages": recorder.unmatched,
+        "rounds_started": rounds,
+        "anchor": anchor,
+        "cpu_s": round(cpu, 3),
+        "cpu_share_of_wall": round(cpu / wall, 3),
+        "cpu_us_per_message": round(cpu / received * 1e6, 2) if received else None,
+        "coordinator_cpu_us_per_message": round(coordinator_s / received * 1e6, 2)
+        if received
+        else None,
+        "cpu_split_share": {
+            "coordinator": _share(coordinator_s, cpu),
+            "coordinator_machine": _share(recorder.machine_s, cpu),
+            "ranks": _share(steps["ranks"], cpu),
+            "probe": _share(steps["probe"], cpu),
+            "other_tasks": _share(steps["trio"], cpu),
+            "scheduler_and_io": _share(cpu - sum(steps.values()), cpu),
+        },
+        "meets_target": meets,
+    }
+
+
+def _share(part: float, whole: float) -> float:
+    return round(part / whole, 3) if whole > 0 else math.nan
+
+
+def run_count(ranks: int, seconds: float, seed: int) -> dict[str, Any]:
+    """One rank count in a fresh trio run (with the CPU-split instrument installed)."""
+    split = CpuSplit()
+    gc.collect()
+    row: dict[str, Any] = trio.run(measure, ranks, seconds, seed, split, instruments=[split])
+    return row
+
+
+def max_ranks_meeting_target(rows: Sequence[dict[str, Any]]) -> int:
+    """The largest rank count that met the target (0 if none did)."""
+    return max((row["ranks"] for row in rows if row["meets_target"]), default=0)
+
+
+def profile(ranks: int, seconds: float, seed: int, top: int) -> None:
+    """Run one count under cProfile and print the hottest functions (by own time)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        trio.run(measure, ranks, seconds, seed, CpuSplit())
+    finally:
+        profiler.disable()
+    stats = pstats.Stats(profiler)
+    stats.sort_stats(pstats.SortKey.TIME).print_stats(top)
+    stats.sort_stats(pstats.SortKey.CUMULATIVE).print_stats("flodl", top)
+
+
+# --- report -------------------------------------------------------------------------------------
+
+
+def environment() -> dict[str, object]:
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    return {
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+        "packages": {name: version(name) for name in ("trio", "cbor2", "attrs", "flodl")},
+    }
+
+
+def report(rows: Sequence[dict[str, Any]], seconds: float, seed: int) -> dict[str, Any]:
+    reference = next((r for r in rows if r["ranks"] == TARGET_RANKS), rows[-1])
+    return {
+        "max_ranks_meeting_target": max_ranks_meeting_target(rows),
+        "cpu_us_per_message": reference["cpu_us_per_message"],
+        "cpu_us_per_message_at_ranks": reference["ranks"],
+        "target": {
+            "ranks": TARGET_RANKS,
+            "p99_ms_below": TARGET_P99_S * 1000.0,
+            "min_batch_per_rank_s": MIN_BATCH_RATE_SHARE / BATCH_PERIOD_S,
+            "met_at_target_ranks": any(r["ranks"] >= TARGET_RANKS for r in rows)
+            and max_ranks_meeting_target(rows) >= TARGET_RANKS,
+        },
+        "latency_definition": LATENCY_DEFINITION,
+        "load": {
+            "batch_per_rank_s": 1 / BATCH_PERIOD_S,
+            "heartbeat_per_rank_s": 1 / HEARTBEAT_PERIOD_S,
+            "transport": "memory://",
+            "config": "CoordinatorConfig() defaults (cadence policy, anchor 10)",
+        },
+        "method": {
+            "seconds_per_count": seconds,
+            "warmup": f"until all ranks joined and round {WARMUP_ROUNDS} started",
+            "seed": seed,
+            "cpu": "time.process_time over the measured window; cpu_split_share from a trio "
+            "instrument timing task steps (time.perf_counter)",
+        },
+        "counts": list(rows),
+        "environment": environment(),
+    }
+
+
+def print_table(rows: Sequence[dict[str, Any]], out: Callable[[str], None] = print) -> None:
+    out(
+        f"{'ranks':>6} {'msg/s':>8} {'B/rank/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>8}"
+        f" {'timer p99':>9} {'cpu us/msg':>10} {'coord':>6} {'ok':>4}"
+    )
+    for r in rows:
+        lat, timer = r["latency"], r["timer_lateness"]
+        ok = "yes" if r["meets_target"] else "no"
+        out(
+            f"{r['ranks']:>6} {r['messages_per_s']:>8.0f} {r['batch_per_rank_s']:>8.2f}"
+            f" {lat['p50_ms']:>7.2f} {lat['p99_ms']:>7.2f} {lat['max_ms']:>8.2f}"
+            f" {timer['p99_ms']:>9.2f} {r['cpu_us_per_message']:>10.1f}"
+            f" {r['cpu_split_share']['coordinator']:>6.2f} {ok:>4}"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="flodl coordinator scale benchmark")
+    parser.add_argument("--ranks", type=int, nargs="+", help="rank counts to sweep")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per count")
+    parser.add_argument("--quick", action="store_true", help=f"counts {QUICK_COUNTS}, 2 s each")
+    parser.add_argument("--seed", type=int, default=0, help="phases of the simulated ranks")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--profile", type=int, metavar="RANKS", help="cProfile one count instead")
+    parser.add_argument("--top", type=int, default=30, help="functions to print with --profile")
+    args = parser.parse_args(argv)
+    seconds = 2.0 if args.quick and args.seconds == 10.0 else args.seconds
+    if args.profile:
+        profile(args.profile, seconds, args.seed, args.top)
+        return 0
+    counts = args.ranks or (QUICK_COUNTS if args.quick else DEFAULT_COUNTS)
+    rows = []
+    for ranks in counts:
+        rows.append(run_count(ranks, seconds, args.seed))
+        print_table(rows[-1:] if len(rows) > 1 else rows)
+    result = report(rows, seconds, args.seed)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"max_ranks_meeting_target={result['max_ranks_meeting_target']} "
+        f"(p99 < {TARGET_P99_S * 1000:.0f} ms), cpu_us_per_message="
+        f"{result['cpu_us_per_message']} at {result['cpu_us_per_message_at_ranks']} ranks; "
+        f"load average {os.getloadavg()[0]:.2f}; wrote {args.output}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
