@@ -151,14 +151,19 @@ def save_bundle(
 
 
 def _remove_leftovers(directory: Path, stem: str) -> None:
-    """Unmark an earlier bundle of this stem as complete and drop its files and temp files."""
+    """Unmark an earlier bundle of this stem as complete; drop its files and stale temp files
+    (this stem's and the pointer's: one process saves into a directory at a time)."""
     meta = directory / (stem + META_SUFFIX)
     if meta.exists():
         meta.unlink()
         fsync_directory(directory)
     for suffix in _ROLES.values():
         (directory / (stem + suffix)).unlink(missing_ok=True)
-    for leftover in directory.glob(f".{stem}.*{TEMP_MARKER}*"):
+    leftovers = [
+        *directory.glob(f".{stem}.*{TEMP_MARKER}*"),
+        *directory.glob(f".{LATEST_NAME}{TEMP_MARKER}*"),
+    ]
+    for leftover in leftovers:
         with contextlib.suppress(OSError):
             leftover.unlink()
 
@@ -315,7 +320,11 @@ def load_bundle(path: str | Path) -> Bundle:
     model_file = stem_path.parent / manifest["model"]["file"]
     tensors, metadata = _load_tensors(_read_verified(stem_path, manifest["model"]), model_file)
     order = _load_json(metadata.get("order", "null").encode(), model_file)
-    if not isinstance(order, list) or sorted(order) != sorted(tensors):
+    if (
+        not isinstance(order, list)
+        or not all(isinstance(name, str) for name in order)
+        or sorted(order) != sorted(tensors)
+    ):
         raise CheckpointError(f"checkpoint file {model_file} has no valid key order")
     model_state = {name: tensors[name] for name in order}
 

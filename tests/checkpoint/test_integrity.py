@@ -94,8 +94,11 @@ def test_resave_of_a_stem_replaces_it_and_clears_leftovers(tmp_path: Path) -> No
     save_step(tmp_path, 1, stem="slot")
     leftover = tmp_path / ".slot.model.safetensors.tmp-1234-abcd"
     leftover.write_bytes(b"half a write")
+    pointer_leftover = tmp_path / ".latest.json.tmp-1234-abcd"
+    pointer_leftover.write_bytes(b"{")
     save_step(tmp_path, 2, stem="slot")
     assert not leftover.exists()
+    assert not pointer_leftover.exists()
     bundle = load_bundle(tmp_path)
     assert bundle.meta.global_step == 2
     assert torch.equal(bundle.model_state["w"], torch.full((64,), 2.0))
