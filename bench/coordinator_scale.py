@@ -41,8 +41,9 @@ started), for ``--seconds`` per rank count:
   ``flodl.*`` tasks (the coordinator's readers, writers, heartbeat and deadline loops), measured
   with a trio instrument; ``machine`` is the part spent inside the decision machine's calls.
 
-The library's one-clock rule is for flodl/; this bench also reads time.perf_counter and
-time.process_time to measure CPU.
+The library's one-clock rule is for flodl/; this bench also reads time.perf_counter (wall),
+time.process_time and time.thread_time (CPU). The machine may be shared: other processes
+stretch latencies (not the CPU figures); each row records the load average after it.
 """
 
 from __future__ import annotations
@@ -193,15 +194,15 @@ def instrument_machine(machine: CoordinatorMachine, recorder: Recorder) -> None:
     on_message = machine.on_message
     on_tick = machine.on_tick
     next_deadline = machine.next_deadline
-    perf = time.perf_counter
+    cpu_clock = time.thread_time
     armed = [math.inf]  # the deadline loop's cancel-scope deadline: min of next_deadline() since
 
     def timed_on_message(rank: int, message: Message, now: float) -> list[Effect]:
         recorder.processed(rank, message, now)
-        started = perf()
+        started = cpu_clock()
         effects = on_message(rank, message, now)
         if recorder.measuring:
-            recorder.machine_s += perf() - started
+            recorder.machine_s += cpu_clock() - started
         elif not recorder.warm.is_set() and machine.cycle.round >= WARMUP_ROUNDS:
             recorder.warm.set()
         if recorder.first_round_at is None and machine.cycle.round >= 1:
@@ -212,10 +213,10 @@ def instrument_machine(machine: CoordinatorMachine, recorder: Recorder) -> None:
         if recorder.measuring and math.isfinite(armed[0]):
             recorder.deadline_lateness.append(now - armed[0])
         armed[0] = math.inf
-        started = perf()
+        started = cpu_clock()
         effects = on_tick(now)
         if recorder.measuring:
-            recorder.machine_s += perf() - started
+            recorder.machine_s += cpu_clock() - started
         return effects
 
     def watched_next_deadline() -> float:
@@ -229,11 +230,11 @@ def instrument_machine(machine: CoordinatorMachine, recorder: Recorder) -> None:
 
 
 class CpuSplit(trio.abc.Instrument):
-    """Wall time of trio task steps, split into coordinator (``flodl.*``), ranks and the rest.
+    """CPU time of trio task steps, split into coordinator (``flodl.*``), ranks and the rest.
 
-    The process is single-threaded and the steps never block, so step wall time is CPU time
-    unless the OS preempts the process. What no task step covers (trio's scheduler, I/O
-    polling, this instrument) is the process CPU time minus the sum of the steps.
+    Thread CPU time (not wall time), so other processes on a shared machine do not inflate
+    it. What no task step covers (trio's scheduler, I/O polling, this instrument's own clock
+    reads of about 1 us per step) is the process CPU time minus the sum of the steps.
     """
 
     CATEGORIES = ("coordinator", "ranks", "probe", "trio")
@@ -244,10 +245,10 @@ class CpuSplit(trio.abc.Instrument):
         self._started = 0.0
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        self._started = time.perf_counter()
+        self._started = time.thread_time()
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
-        took = time.perf_counter() - self._started
+        took = time.thread_time() - self._started
         category = self._category.get(task)
         if category is None:
             category = self._category[task] = _category_of(task.name)
@@ -546,6 +547,7 @@ def _row(
             "scheduler_and_io": _share(cpu - sum(steps.values()), cpu),
         },
         "meets_target": meets,
+        "load_average_1m_after": round(os.getloadavg()[0], 2),
     }
 
 
@@ -625,7 +627,7 @@ def report(rows: Sequence[dict[str, Any]], seconds: float, seed: int) -> dict[st
             "warmup": f"until all ranks joined and round {WARMUP_ROUNDS} started",
             "seed": seed,
             "cpu": "time.process_time over the measured window; cpu_split_share from a trio "
-            "instrument timing task steps (time.perf_counter)",
+            "instrument timing task steps (time.thread_time)",
         },
         "counts": list(rows),
         "environment": environment(),
