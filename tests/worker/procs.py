@@ -1,0 +1,104 @@
+"""Start real rank processes (and a coordinator process) for the worker tests. Not tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = ROOT / "examples" / "digits.py"
+
+
+def rank_env(
+    rank: int,
+    world_size: int,
+    url: str,
+    key: bytes,
+    run_dir: Path,
+    *,
+    policy: str = "cadence",
+    heartbeat_timeout: float = 5.0,
+    heartbeat_interval: float = 0.5,
+    **extra: str,
+) -> dict[str, str]:
+    """What the launcher would give rank ``rank`` (plus ``extra``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLODL_")}
+    env.update(
+        {
+            "PYTHONPATH": str(ROOT),
+            "PYTHONUNBUFFERED": "1",
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "FLODL_COORDINATOR": url,
+            "FLODL_SESSION_KEY": key.hex(),
+            "FLODL_BACKEND": "gloo",
+            "FLODL_POLICY": policy,
+            "FLODL_HEARTBEAT_TIMEOUT": str(heartbeat_timeout),
+            "FLODL_HEARTBEAT_INTERVAL": str(heartbeat_interval),
+            "FLODL_RUN_DIR": str(run_dir),
+            "FLODL_OP_TIMEOUT": "10",
+            "FLODL_DEBUG_PARAM_HASHES": "1",
+            **extra,
+        }
+    )
+    return env
+
+
+async def read_until(process: trio.Process, text: bytes, seen: bytearray) -> None:
+    """Read ``process``'s stdout into ``seen`` until ``text`` shows up (EOFError if it ends)."""
+    assert process.stdout is not None
+    while text not in seen:
+        chunk = await process.stdout.receive_some(4096)
+        if not chunk:
+            raise EOFError(f"process {process.pid} ended its output before {text!r}: {seen!r}")
+        seen += chunk
+
+
+@asynccontextmanager
+async def spawn(
+    commands: Sequence[tuple[list[str], dict[str, str], Path | None]],
+) -> AsyncIterator[list[trio.Process]]:
+    """Start one process per ``(argv, env, log)``: output to ``log``, or a pipe when None.
+
+    On exit every process still running is killed, and every process is reaped.
+    """
+    processes: list[trio.Process] = []
+    logs = []
+    try:
+        for argv, env, log in commands:
+            if log is None:
+                out: int | object = subprocess.PIPE
+            else:
+                handle = open(log, "wb")
+                logs.append(handle)
+                out = handle
+            process = await trio.lowlevel.open_process(
+                argv,
+                env=env,
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=out,  # type: ignore[arg-type]
+                stderr=subprocess.STDOUT,
+            )
+            processes.append(process)
+        yield processes
+    finally:
+        with trio.CancelScope(shield=True):
+            for process in processes:
+                if process.returncode is None:
+                    process.kill()
+            for process in processes:
+                await process.wait()
+            for handle in logs:
+                handle.close()
+
+
+def digits_command(*args: str) -> list[str]:
+    return [sys.executable, str(DIGITS), *args]

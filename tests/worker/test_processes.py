@@ -1,0 +1,176 @@
+"""The digits demo on real rank processes with real gloo groups.
+
+* every policy runs to completion (through ``flodl run``'s launcher), parameters bitwise
+  identical on all ranks after every average (Sync, Cadence), accuracy >= 95% (Cadence);
+* a frozen coordinator (SIGSTOP: the connection stays open, nothing arrives) makes every rank
+  write its death record and exit with status 1 instead of hanging;
+* after a rank is SIGKILLed the survivors re-form the group and finish the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from flodl.config import CoordinatorConfig
+from flodl.coordinator import open_coordinator
+from flodl.core.cycle import Policy
+from flodl.core.machine import Status
+from flodl.core.timeline import EventKind
+from flodl.launcher import LaunchConfig, launch
+from tests.worker.procs import DIGITS, ROOT, digits_command, rank_env, read_until, spawn
+
+pytestmark = pytest.mark.slow
+
+
+def report(run_dir: Path, rank: int) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((run_dir / f"rank{rank}.json").read_text())
+    return data
+
+
+def hashes_by_round(data: dict[str, Any]) -> dict[int, str]:
+    return {int(h["round"]): str(h["sha256"]) for h in data["param_hashes"]}
+
+
+async def run_digits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: Policy, nproc: int, *args: str
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    monkeypatch.setenv("FLODL_DEBUG_PARAM_HASHES", "1")
+    run_dir = tmp_path / "run"
+    config = LaunchConfig(
+        script=str(DIGITS),
+        script_args=args,
+        nproc=nproc,
+        backend="gloo",
+        run_dir=run_dir,
+        coordinator=CoordinatorConfig(policy=policy, heartbeat_timeout=5, heartbeat_interval=0.5),
+        echo=False,
+        exit_grace=20,
+    )
+    with trio.fail_after(150):
+        summary = await launch(config)
+    logs = "\n".join((run_dir / f"rank{r}.log").read_text() for r in range(nproc))
+    assert summary["status"] == "completed", logs
+    assert [r["exit_code"] for r in summary["ranks"]] == [0] * nproc, logs
+    return summary, [report(run_dir, r) for r in range(nproc)]
+
+
+async def test_cadence_three_unequal_ranks_reach_95_percent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    summary, reports = await run_digits(
+        tmp_path, monkeypatch, Policy.CADENCE, 3, "--epochs", "8", "--slow", "2:3"
+    )
+    for data in reports:
+        assert data["exit_reason"] == "completed"
+        assert data["final_metrics"]["test_accuracy"] >= 0.95
+        assert data["steps"] == data["batches"] + data["syncs"]
+    # After every round the three ranks hold bitwise-identical parameters.
+    rounds = [hashes_by_round(data) for data in reports]
+    assert len(rounds[0]) == summary["rounds"] >= 3
+    assert rounds[0] == rounds[1] == rounds[2]
+    # ElChe gave the rank that is three times slower fewer batches than the fast ones.
+    batches = [data["batches"] for data in reports]
+    assert batches[2] < batches[0] and batches[2] < batches[1]
+    assert sum(batches) == 8 * (1438 // 16)  # whole batches of the 1438 training samples
+
+
+@pytest.mark.parametrize("policy", [Policy.SYNC, Policy.ASYNC])
+async def test_sync_and_async_runs_complete(
+    policy: Policy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    summary, reports = await run_digits(tmp_path, monkeypatch, policy, 2, "--epochs", "2")
+    for data in reports:
+        assert data["syncs"] >= 1
+        assert data["final_metrics"]["test_accuracy"] >= 0.8
+    if policy is Policy.SYNC:
+        # One average per batch window: every rank acked every round, identical after each.
+        assert hashes_by_round(reports[0]) == hashes_by_round(reports[1])
+        assert reports[0]["syncs"] == reports[1]["syncs"] == summary["rounds"]
+
+
+async def test_ranks_give_up_on_a_frozen_coordinator(tmp_path: Path) -> None:
+    key = secrets.token_bytes(32)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    coordinator_env = {**os.environ, "PYTHONPATH": str(ROOT), "FLODL_SESSION_KEY": key.hex()}
+    coordinator_argv = [sys.executable, "-m", "tests.worker.coordinator_process", "2", "cadence"]
+    async with spawn([([*coordinator_argv, "3"], coordinator_env, None)]) as (coordinator,):
+        line = bytearray()
+        with trio.fail_after(30):
+            await read_until(coordinator, b"\n", line)
+        url = line.decode().split()[1]
+        ranks = [
+            (
+                digits_command("--epochs", "500", "--slow", "1:2"),
+                rank_env(r, 2, url, key, run_dir, heartbeat_timeout=3.0),
+                None if r == 0 else run_dir / f"rank{r}.log",
+            )
+            for r in range(2)
+        ]
+        async with spawn(ranks) as processes:
+            output = bytearray()
+            with trio.fail_after(60):
+                await read_until(processes[0], b"epoch 0 started", output)
+            os.kill(coordinator.pid, signal.SIGSTOP)  # alive, connected, and silent
+            frozen_at = trio.current_time()
+            with trio.fail_after(40):
+                for process in processes:
+                    await process.wait()
+            waited = trio.current_time() - frozen_at
+            with trio.fail_after(10):
+                await read_until(processes[0], b"silent for 3 s", output)
+    assert [p.returncode for p in processes] == [1, 1]
+    assert 2.0 <= waited < 30.0
+    for rank in range(2):
+        record = json.loads((run_dir / f"rank{rank}.death.json").read_text())
+        assert record["rank"] == rank and record["world_size"] == 2
+        assert "silent for 3 s" in record["error"]
+        assert record["unix_time_secs"] > 0
+        assert report(run_dir, rank)["exit_reason"].startswith("coordinator_lost")
+
+
+async def test_survivors_of_a_sigkilled_rank_reform_and_finish(tmp_path: Path) -> None:
+    key = secrets.token_bytes(32)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = CoordinatorConfig(policy=Policy.CADENCE, heartbeat_timeout=5, heartbeat_interval=0.5)
+    async with open_coordinator("tcp://127.0.0.1:0", 3, key, config, linger=20) as coord:
+        ranks = [
+            (
+                digits_command("--epochs", "3"),
+                rank_env(r, 3, coord.url, key, run_dir),
+                None if r == 2 else run_dir / f"rank{r}.log",
+            )
+            for r in range(3)
+        ]
+        async with spawn(ranks) as processes:
+            output = bytearray()
+            with trio.fail_after(60):
+                await read_until(processes[2], b"epoch 1 started", output)
+            processes[2].send_signal(signal.SIGKILL)
+            with trio.fail_after(90):
+                outcome = await coord.wait_finished()
+                for process in processes:
+                    await process.wait()
+    logs = "\n".join((run_dir / f"rank{r}.log").read_text() for r in range(2))
+    assert outcome.status is Status.COMPLETED, (outcome, logs)
+    assert [p.returncode for p in processes] == [0, 0, -signal.SIGKILL], logs
+    reformed = coord.timeline.of_kind(EventKind.GROUP_REFORMED)
+    assert [e.detail["members"] for e in reformed] == [[0, 1]]
+    survivors = [report(run_dir, r) for r in range(2)]
+    generations = {int(h["generation"]) for h in survivors[0]["param_hashes"]}
+    assert generations == {0, reformed[0].detail["generation"]}
+    assert hashes_by_round(survivors[0]) == hashes_by_round(survivors[1])
+    for data in survivors:
+        assert data["exit_reason"] == "completed"
+        assert data["final_metrics"]["test_accuracy"] >= 0.9
+    assert not (run_dir / "rank2.json").exists()  # SIGKILL: no report, no goodbye
