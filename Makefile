@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint typecheck unit demo bench clean
+.PHONY: setup test lint typecheck unit demo wire-demo bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -28,11 +28,16 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# Four ranks train an MLP on scikit-learn's digits; rank 3 is made 2.5x slower.
 demo: $(STAMP)
+	$(BIN)/flodl run --nproc 4 --run-dir runs/demo examples/digits.py --slow 3:2.5
+
+wire-demo: $(STAMP)
 	$(BIN)/python examples/wire_demo.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/wire_bench.py
+	$(BIN)/python bench/coordinator_scale.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -302,7 +302,7 @@ def build_summary(
         "deaths": deaths,
         "epochs": machine.epoch_results,
         "final_metrics": {
-            name: values[0] if len(values) == 1 else values
+            name: values[0] if len(set(values)) == 1 else values
             for name, values in final_metrics.items()
         },
         "timeline_events": len(machine.timeline),
