@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 import trio
@@ -30,16 +31,24 @@ from flodl.wire.messages import (
     Batch,
     Checkpoint,
     CheckpointResult,
+    DeclareDead,
     Exiting,
     Heartbeat,
     Message,
+    NewGroupReady,
+    NewGroupSession,
     Note,
     Ready,
+    RequestNewGroup,
     SaveReason,
+    SetGlobalStep,
     ShutdownWithSave,
     StartEpoch,
+    SyncAck,
+    SyncNow,
+    Throttle,
 )
-from flodl.worker import WorkerConfig, open_worker
+from flodl.worker import Assignment, WorkerConfig, open_worker
 from flodl.worker.records import tensors_sha256
 
 KEY = b"worker-inprocess-test-key-0123456789"
@@ -163,40 +172,62 @@ class Peer:
 
     async def expect(self, kind: type[Message]) -> Message:
         """Wait until a message of ``kind`` has arrived; return the first one."""
+        return (await self.expect_many(kind, 1))[0]
+
+    async def expect_many(self, kind: type[Message], count: int) -> list[Message]:
+        """Wait until ``count`` messages of ``kind`` have arrived; return them all."""
         while True:
             arrived = self._arrived
-            for message in self.received:
-                if isinstance(message, kind):
-                    return message
+            found = [m for m in self.received if isinstance(m, kind)]
+            if len(found) >= count:
+                return found
             await arrived.wait()
+
+
+@attrs.define
+class Scripted:
+    """A scripted coordinator's address, its connection once accepted, and what arrived."""
+
+    url: str
+    mark: trio.Event
+    received: list[Message]
+    accepted: trio.Event = attrs.field(factory=trio.Event)
+    peer: Peer | None = None
+
+    async def connection(self) -> Peer:
+        await self.accepted.wait()
+        assert self.peer is not None
+        return self.peer
+
+
+async def idle(peer: Peer) -> None:
+    await trio.sleep_forever()
 
 
 @asynccontextmanager
 async def scripted_coordinator(
-    script: Callable[[Peer], Awaitable[None]],
-) -> AsyncIterator[tuple[str, trio.Event, list[Message]]]:
-    """Accept one rank on a memory address and run ``script(peer)`` for it.
-
-    Yields the address, the script's ``mark`` event and the list of frames from the rank.
-    """
+    script: Callable[[Peer], Awaitable[None]] = idle,
+) -> AsyncIterator[Scripted]:
+    """Accept one rank on a memory address and run ``script(peer)`` for it."""
     listener = await open_listener(f"memory://worker-scripted-{next(_names)}")
-    mark = trio.Event()
-    received: list[Message] = []
+    scripted = Scripted(url=listener.url, mark=trio.Event(), received=[])
     async with listener, trio.open_nursery() as nursery:
 
         async def serve() -> None:
             stream = await listener.accept()
             _, channel = await accept_rank(stream, KEY, 1, taken=lambda _r: False)
             peer = Peer(channel)
-            peer.mark = mark
-            peer.received = received
+            peer.mark = scripted.mark
+            peer.received = scripted.received
+            scripted.peer = peer
+            scripted.accepted.set()
             async with trio.open_nursery() as inner:
                 inner.start_soon(peer.read)
                 await script(peer)
                 inner.cancel_scope.cancel()
 
         nursery.start_soon(serve)
-        yield listener.url, mark, received
+        yield scripted
         nursery.cancel_scope.cancel()
 
 
@@ -206,7 +237,8 @@ async def test_a_silent_coordinator_ends_the_loop_with_a_death_record(
     async def stay_silent(peer: Peer) -> None:
         await trio.sleep_forever()
 
-    async with scripted_coordinator(stay_silent) as (url, _mark, received):
+    async with scripted_coordinator(stay_silent) as scripted:
+        url, received = scripted.url, scripted.received
         config = worker_config(url, 0, 1, tmp_path, heartbeat_timeout=30.0, heartbeat_interval=1)
         async with open_worker(config, make_model(0), backend=GlooBackend()) as worker:
             await worker.announce(DATASET, BATCH, EPOCHS)
@@ -229,7 +261,8 @@ async def test_a_cut_connection_ends_the_loop_with_a_death_record(tmp_path: Path
         await peer.expect(Ready)
         await peer.channel.aclose()
 
-    async with scripted_coordinator(hang_up) as (url, _mark, _received):
+    async with scripted_coordinator(hang_up) as scripted:
+        url = scripted.url
         config = worker_config(url, 0, 1, tmp_path)
         with trio.fail_after(10):
             async with open_worker(config, make_model(0), backend=GlooBackend()) as worker:
@@ -242,36 +275,34 @@ async def test_a_cut_connection_ends_the_loop_with_a_death_record(tmp_path: Path
 
 async def test_checkpoint_then_shutdown_with_save(tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
-
-    async def save_and_stop(peer: Peer) -> None:
-        send = peer.channel.send
-        await send(StartEpoch(epoch=0, partition_offset=0, partition_size=2 * BATCH))
-        await send(Checkpoint(version=4, target_rank=5))  # someone else's: ignored
-        await send(Checkpoint(version=3, target_rank=0))
-        peer.mark.set()
-        await peer.expect(CheckpointResult)
-        await send(ShutdownWithSave(reason=SaveReason.REDUCE_STALL))
-        await trio.sleep_forever()
-
     model = make_model(0)
-    async with scripted_coordinator(save_and_stop) as (url, mark, received):
-        config = worker_config(url, 0, 1, tmp_path)
+    async with scripted_coordinator() as scripted:
+        config = worker_config(scripted.url, 0, 1, tmp_path)
+        received = scripted.received
         with trio.fail_after(20):
             async with open_worker(config, model, backend=GlooBackend()) as worker:
                 await worker.announce(DATASET, BATCH, EPOCHS)
+                peer = await scripted.connection()
+                send = peer.channel.send
+                await send(StartEpoch(epoch=0, partition_offset=0, partition_size=2 * BATCH))
                 item = await worker.next_batch()
                 assert item is not None and item.size == BATCH
-                await mark.wait()  # the checkpoint was requested by now
+                await send(Checkpoint(version=4, target_rank=5))  # someone else's: ignored
+                await send(Checkpoint(version=3, target_rank=0))  # arrives mid-step
+                await trio.sleep(0.2)
+                assert not any(isinstance(m, CheckpointResult) for m in received)
                 await worker.batch_done(0.5)
-                item = await worker.next_batch()  # saved by now: hands out the second batch
+                item = await worker.next_batch()  # saves first, then hands out batch two
                 assert item is not None and item.start == BATCH
+                await peer.expect(CheckpointResult)
+                await send(ShutdownWithSave(reason=SaveReason.REDUCE_STALL))
                 await worker.batch_done(0.25)
                 with pytest.raises(ShutdownRequested, match="save and stop: REDUCE_STALL") as info:
                     await worker.next_batch()
                 assert info.value.reason is SaveReason.REDUCE_STALL
                 with pytest.raises(ShutdownRequested):  # and again on every later call
                     await worker.next_batch()
-            await trio.sleep(0.05)
+                await peer.expect(Exiting)
     assert sum(isinstance(m, Batch) for m in received) == 2
     results = [m for m in received if isinstance(m, CheckpointResult)]
     assert [(r.version, r.error) for r in results] == [(3, None)]
@@ -286,3 +317,87 @@ async def test_checkpoint_then_shutdown_with_save(tmp_path: Path) -> None:
     assert report["exit_reason"] == "shutdown_with_save:REDUCE_STALL"
     assert report["checkpoint"] == str(bundle.path)
     assert math.isfinite(report["wall_s"])
+
+
+async def test_throttle_pauses_at_the_next_boundary_until_set_global_step(
+    tmp_path: Path,
+) -> None:
+    async with scripted_coordinator() as scripted:
+        config = worker_config(scripted.url, 0, 1, tmp_path)
+        with trio.fail_after(10):
+            async with open_worker(config, make_model(0), backend=GlooBackend()) as worker:
+                await worker.announce(DATASET, BATCH, EPOCHS)
+                peer = await scripted.connection()
+                await peer.channel.send(StartEpoch(epoch=0, partition_offset=0, partition_size=12))
+                first = await worker.next_batch()
+                assert first is not None and first.start == 0
+                await peer.channel.send(Throttle())  # arrives mid-step
+                await peer.expect(Heartbeat)
+                await worker.batch_done(1.0)
+                got: list[Assignment | None] = []
+                async with trio.open_nursery() as nursery:
+
+                    async def take() -> None:
+                        got.append(await worker.next_batch())
+
+                    nursery.start_soon(take)
+                    await trio.sleep(0.3)
+                    assert got == []  # throttled: parked at the boundary
+                    await peer.channel.send(SetGlobalStep(global_step=7))
+    assert worker.global_step == 7
+    assert got[0] is not None and got[0].start == BATCH
+
+
+async def test_sync_now_waits_for_the_boundary_and_dead_groups_are_not_averaged(
+    tmp_path: Path,
+) -> None:
+    async def form(peer: Peer, generation: int) -> None:
+        await peer.channel.send(RequestNewGroup(generation=generation, world_size=1))
+        while True:
+            ready = await peer.expect(NewGroupReady)
+            assert isinstance(ready, NewGroupReady)
+            if ready.generation == generation:
+                break
+            peer.received.remove(ready)
+        session = NewGroupSession(generation=generation, new_rank=0, new_world_size=1,
+                                  info=ready.info)  # fmt: skip
+        await peer.channel.send(session)
+
+    def acks(received: list[Message]) -> list[SyncAck]:
+        return [m for m in received if isinstance(m, SyncAck)]
+
+    model = make_model(0)
+    async with scripted_coordinator() as scripted:
+        config = worker_config(scripted.url, 0, 1, tmp_path)
+        with trio.fail_after(20):
+            async with open_worker(config, model, backend=GlooBackend(op_timeout=5)) as worker:
+                await worker.announce(DATASET, BATCH, EPOCHS)
+                peer = await scripted.connection()
+                await form(peer, 0)
+                await peer.channel.send(StartEpoch(epoch=0, partition_offset=0, partition_size=16))
+                assert await worker.next_batch() is not None
+                await peer.channel.send(SyncNow(round=1, generation=0))  # mid-step
+                await peer.expect(Heartbeat)
+                await trio.sleep(0.2)
+                assert acks(scripted.received) == []  # not while the step is running
+                await worker.batch_done(1.0)
+                assert await worker.next_batch() is not None  # averaged at this boundary
+                ack = await peer.expect(SyncAck)
+                assert isinstance(ack, SyncAck)
+                assert (ack.round, ack.step_count) == (1, 2)  # one batch + one average
+                assert ack.divergence == 0.0  # world of one: the average is the model
+
+                # A member died: the round on generation 0 is never run, the redo on 1 is.
+                await peer.channel.send(DeclareDead(rank=3))
+                await peer.channel.send(SyncNow(round=2, generation=0))
+                await worker.batch_done(1.0)
+                assert await worker.next_batch() is not None
+                await form(peer, 1)
+                await peer.channel.send(SyncNow(round=3, generation=1))
+                await trio.sleep(0.2)  # delivered before the boundary
+                await worker.batch_done(1.0)
+                assert await worker.next_batch() is not None
+                await peer.expect_many(SyncAck, 2)
+                assert [a.round for a in acks(scripted.received)] == [1, 3]
+                assert acks(scripted.received)[1].step_count == 5  # 3 batches + 2 averages
+                assert [h["generation"] for h in worker.param_hashes] == [0, 1]
