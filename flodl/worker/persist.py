@@ -76,3 +76,33 @@ def save_rank_bundle(
         meta=meta,
         config={"rank": rank, "world_size": point.world_size},
     )
+
+
+def resume_source(path: Path, rank: int) -> Path:
+    """Where rank ``rank`` resumes from: ``path/checkpoints/rank<N>`` when ``path`` is a run
+    directory holding one, else ``path`` itself (a bundle directory, stem or meta file)."""
+    candidate = checkpoint_dir(path, rank)
+    return candidate if candidate.is_dir() else path
+
+
+def restore_rank_bundle(
+    path: Path,
+    rank: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> int:
+    """Load this rank's newest bundle under ``path`` into ``model`` (and ``optimizer``).
+
+    Returns the bundle's global step. Raises CheckpointError when there is no readable bundle
+    or its tensors do not fit the model.
+    """
+    from flodl.checkpoint import load_bundle
+
+    bundle = load_bundle(resume_source(path, rank))
+    try:
+        model.load_state_dict(bundle.model_state)
+        if optimizer is not None and bundle.optimizer_state is not None:
+            optimizer.load_state_dict(bundle.optimizer_state)
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise CheckpointError(f"checkpoint {bundle.path} does not fit this model: {err}") from err
+    return bundle.meta.global_step

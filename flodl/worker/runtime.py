@@ -76,7 +76,7 @@ from flodl.wire.messages import (
     Throttle,
 )
 from flodl.worker.config import WorkerConfig
-from flodl.worker.persist import SavePoint, save_rank_bundle
+from flodl.worker.persist import SavePoint, restore_rank_bundle, save_rank_bundle
 from flodl.worker.records import (
     report_path,
     tensors_sha256,
@@ -812,6 +812,8 @@ async def open_worker(
 ) -> AsyncIterator[Worker]:
     """Connect rank ``config.rank`` to its coordinator and serve the protocol during the block.
 
+    With ``config.resume`` set, the model (and optimizer) are first loaded from this rank's
+    newest bundle there (CheckpointError if there is none that fits).
     Raises CoordinatorError (or the handshake's typed error) if the coordinator cannot be
     reached. On leaving the block, however it is left (cancellation included), the backend is
     closed (no live process group outlives it), the connection closed and ``rank<N>.json``
@@ -824,6 +826,10 @@ async def open_worker(
     worker = Worker(config, model, optimizer, backend)
     body_error: Exception | None = None
     try:
+        if config.resume is not None:
+            worker.global_step = await trio.to_thread.run_sync(
+                restore_rank_bundle, config.resume, config.rank, model, optimizer
+            )
         await worker._connect()
         async with trio.open_nursery() as nursery:
             worker._start_tasks(nursery)

@@ -24,7 +24,7 @@ from flodl.config import CoordinatorConfig
 from flodl.coordinator import open_coordinator
 from flodl.core.cycle import Policy
 from flodl.core.machine import Status
-from flodl.errors import CoordinatorError, FlodlError, ShutdownRequested
+from flodl.errors import CheckpointError, CoordinatorError, FlodlError, ShutdownRequested
 from flodl.transports import open_listener
 from flodl.transports.channel import Channel, accept_rank
 from flodl.wire.messages import (
@@ -49,6 +49,7 @@ from flodl.wire.messages import (
     Throttle,
 )
 from flodl.worker import Assignment, WorkerConfig, open_worker
+from flodl.worker.persist import SavePoint, save_rank_bundle
 from flodl.worker.records import tensors_sha256
 
 KEY = b"worker-inprocess-test-key-0123456789"
@@ -359,9 +360,9 @@ async def test_sync_now_waits_for_the_boundary_and_dead_groups_are_not_averaged(
             if ready.generation == generation:
                 break
             peer.received.remove(ready)
-        session = NewGroupSession(generation=generation, new_rank=0, new_world_size=1,
-                                  info=ready.info)  # fmt: skip
-        await peer.channel.send(session)
+        await peer.channel.send(
+            NewGroupSession(generation=generation, new_rank=0, new_world_size=1, info=ready.info)
+        )
 
     def acks(received: list[Message]) -> list[SyncAck]:
         return [m for m in received if isinstance(m, SyncAck)]
@@ -401,3 +402,27 @@ async def test_sync_now_waits_for_the_boundary_and_dead_groups_are_not_averaged(
                 assert [a.round for a in acks(scripted.received)] == [1, 3]
                 assert acks(scripted.received)[1].step_count == 5  # 3 batches + 2 averages
                 assert [h["generation"] for h in worker.param_hashes] == [0, 1]
+
+
+async def test_a_rank_resumes_from_the_bundle_it_saved(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors")
+    saved = make_model(5)
+    optimizer = torch.optim.Adam(saved.parameters())
+    saved(torch.ones(2, 3)).sum().backward()
+    optimizer.step()
+    save_rank_bundle(tmp_path, 0, saved, optimizer, SavePoint(2, 40, 4, 1, "GRACEFUL"))
+
+    fresh = make_model(0)
+    fresh_optimizer = torch.optim.Adam(fresh.parameters())
+    async with scripted_coordinator() as scripted:
+        config = worker_config(scripted.url, 0, 1, tmp_path, resume=tmp_path)
+        with trio.fail_after(10):
+            async with open_worker(config, fresh, fresh_optimizer, backend=GlooBackend()) as worker:
+                assert worker.global_step == 40
+    assert tensors_sha256(list(fresh.parameters())) == tensors_sha256(list(saved.parameters()))
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
+
+    with pytest.raises(CheckpointError, match="not a complete checkpoint bundle"):
+        config = worker_config(scripted.url, 0, 1, tmp_path, resume=tmp_path / "nothing")
+        async with open_worker(config, fresh, backend=GlooBackend()):
+            pass
