@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from flodl.checkpoint.death import DeathRecord, read_death_records
-from flodl.checkpoint.files import TEMP_MARKER, fsync_directory, write_atomically
+from flodl.checkpoint.files import TEMP_MARKER, fsync_directory, stage, write_atomically
 from flodl.checkpoint.meta import MANIFEST_KEY, CheckpointMeta
 from flodl.checkpoint.names import (
     CONFIG_SUFFIX,
@@ -99,11 +100,13 @@ def save_bundle(
     """Write a bundle and point ``latest.json`` at it; returns ``<directory>/<stem>``.
 
     Everything is serialized in memory first (a bad value raises before any file changes).
-    Then each data file is written atomically (temp file, fsync, rename), the directory is
-    fsynced, the meta is written the same way, and ``latest.json`` last. So whenever the process
-    is killed, :func:`find_latest` sees either this complete bundle or the previous ones, and a
-    re-save under an existing stem first removes that stem's meta, so a half-overwritten bundle
-    never looks complete. Synchronous: from trio, run it in ``trio.to_thread.run_sync``; if that
+    Then every data file is written and fsynced under a temporary name, renamed into place, the
+    directory fsynced, the meta written the same way, and ``latest.json`` last. So whenever the
+    process is killed, :func:`find_latest` sees either this complete bundle or earlier ones. A
+    re-save under an existing stem removes that stem's meta just before the renames, so a
+    half-replaced bundle never looks complete (but a kill in that short window loses the old
+    bundle of this stem: give each save its own stem, as :func:`default_stem` does, to always
+    keep the previous one). Synchronous: from trio, run it in ``trio.to_thread.run_sync``; if that
     thread is abandoned, the save still finishes or leaves earlier bundles intact.
 
     Raises:
@@ -139,10 +142,8 @@ def save_bundle(
 
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(directory, stem)
-        for role, data in payload.items():
-            write_atomically(directory / manifest[role]["file"], data, sync_directory=False)
-        fsync_directory(directory)
+        _remove_stale_temp_files(directory, stem)
+        _swap_in(directory, stem, {manifest[role]["file"]: data for role, data in payload.items()})
         write_atomically(directory / (stem + META_SUFFIX), meta_bytes)
         write_atomically(directory / LATEST_NAME, _json_bytes({"stem": stem}, "latest pointer"))
     except OSError as exc:
@@ -150,15 +151,38 @@ def save_bundle(
     return directory / stem
 
 
-def _remove_leftovers(directory: Path, stem: str) -> None:
-    """Unmark an earlier bundle of this stem as complete; drop its files and stale temp files
-    (this stem's and the pointer's: one process saves into a directory at a time)."""
-    meta = directory / (stem + META_SUFFIX)
-    if meta.exists():
-        meta.unlink()
+def _swap_in(directory: Path, stem: str, files: Mapping[str, bytes]) -> None:
+    """Put the data files of a bundle in place; on return they are durable, the meta absent.
+
+    Every file is first written and fsynced under a temporary name, while an earlier bundle of
+    this stem stays whole. Only then is that bundle's meta removed (so from here on it is
+    incomplete, never a mix), its files replaced by renames, and the directory fsynced.
+    """
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for name, data in files.items():
+            staged.append((stage(directory / name, data), directory / name))
+        old_meta = directory / (stem + META_SUFFIX)
+        if old_meta.exists():
+            old_meta.unlink()
+            fsync_directory(directory)
+        for suffix in _ROLES.values():
+            if stem + suffix not in files:
+                (directory / (stem + suffix)).unlink(missing_ok=True)
+        for temp, final in staged:
+            os.replace(temp, final)
         fsync_directory(directory)
-    for suffix in _ROLES.values():
-        (directory / (stem + suffix)).unlink(missing_ok=True)
+    finally:
+        for temp, _ in staged:
+            with contextlib.suppress(OSError):
+                temp.unlink(missing_ok=True)
+
+
+def _remove_stale_temp_files(directory: Path, stem: str) -> None:
+    """Drop temp files that killed saves of this stem (or of the pointer) left behind.
+
+    One process saves into a directory at a time, so no live save owns them.
+    """
     leftovers = [
         *directory.glob(f".{stem}.*{TEMP_MARKER}*"),
         *directory.glob(f".{LATEST_NAME}{TEMP_MARKER}*"),

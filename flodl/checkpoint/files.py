@@ -7,7 +7,7 @@ import os
 import secrets
 from pathlib import Path
 
-__all__ = ["TEMP_MARKER", "fsync_directory", "write_atomically"]
+__all__ = ["TEMP_MARKER", "fsync_directory", "stage", "write_atomically"]
 
 TEMP_MARKER = ".tmp-"
 """Part of every temporary name: ``.<final name>.tmp-<pid>-<token>`` (hidden, never final)."""
@@ -27,16 +27,11 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path, data: bytes, *, sync_directory: bool = True) -> None:
-    """Replace ``path`` by a file holding exactly ``data``.
+def stage(path: Path, data: bytes) -> Path:
+    """Write ``data`` to a fresh temporary file next to ``path``, fsynced; return its path.
 
-    Guarantees that ``path`` holds either its previous content (or does not exist) or all of
-    ``data``, never a part, even if the process is killed at any moment: the bytes go to a
-    temporary file in the same directory, are flushed and fsynced, and only then renamed over
-    ``path``. With ``sync_directory`` the directory is fsynced too, so the rename itself survives
-    a power loss; pass False to batch several renames before one :func:`fsync_directory`.
-    On an exception the temporary file is removed; a kill may leave it behind (hidden name
-    containing :data:`TEMP_MARKER`), never under ``path``.
+    ``os.replace(returned, path)`` then swaps it in atomically. On an exception the temporary
+    file is removed; a kill may leave it behind (hidden name holding :data:`TEMP_MARKER`).
     """
     temp = temp_name_for(path)
     try:
@@ -44,10 +39,26 @@ def write_atomically(path: Path, data: bytes, *, sync_directory: bool = True) ->
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        raise
+    return temp
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` by a file holding exactly ``data``.
+
+    Guarantees that ``path`` holds either its previous content (or does not exist) or all of
+    ``data``, never a part, even if the process is killed at any moment: the bytes go to a
+    temporary file in the same directory (:func:`stage`), and only then are renamed over
+    ``path``; the directory is fsynced, so the rename survives a power loss too.
+    """
+    temp = stage(path, data)
+    try:
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             temp.unlink()
         raise
-    if sync_directory:
-        fsync_directory(path.parent)
+    fsync_directory(path.parent)

@@ -1,11 +1,15 @@
 """A save killed at a random moment never leaves a broken latest checkpoint.
 
-A real subprocess saves ~16 MiB bundles in a loop and is SIGKILLed at random moments, over
-and over in the same directory: at least 10 times, and until 3 kills caught a save in the
-middle of changing files (about a third of the kills do), at most 30 times. After every kill,
-loading the directory yields a complete bundle whose tensors all belong to one save, at least
-as new as the last save the child reported done, or a CheckpointError saying there is no
-complete bundle (only before any save finished).
+A real subprocess (crash_saver.py) saves ~16 MiB bundles in a loop, rotating over three stems,
+and is SIGKILLed at random moments, over and over in the same directory: at least 10 times,
+and until 3 kills caught a save in the middle of changing files (about a third of the kills
+do), at most 30 times. After every kill, loading the directory must give a complete bundle
+whose tensors all belong to one save and which is at least as new as every bundle known to be
+intact, or, while no bundle can exist, a CheckpointError saying there is none.
+
+What "known to be intact" means: a bundle whose save the child reported done, unless a later
+save under the same stem started since. The save a kill interrupted may have completed (before
+the child could report it) or not; the bundle it was replacing may or may not survive.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import torch
 import trio
 
@@ -25,10 +30,40 @@ from flodl.errors import CheckpointError
 
 SAVER = Path(__file__).with_name("crash_saver.py")
 ROOT = Path(__file__).resolve().parents[2]
+SLOTS = 3  # crash_saver.py saves step s under stem f"slot{s % 3}"
 MIN_TRIES = 10
 MAX_TRIES = 30
 WANTED_INTERRUPTIONS = 3
 SEED = 20240611
+
+
+@attrs.define
+class Ledger:
+    """Which step each stem holds: certainly (``intact``) or perhaps (``perhaps``)."""
+
+    intact: dict[int, int] = attrs.field(factory=dict)
+    perhaps: dict[int, int] = attrs.field(factory=dict)
+
+    def saved(self, step: int) -> None:
+        self.intact[step % SLOTS] = step
+        self.perhaps.pop(step % SLOTS, None)
+
+    def interrupted(self, step: int) -> None:
+        """A save of ``step`` was killed: its stem now holds ``step``, its old bundle or none."""
+        slot = step % SLOTS
+        old = self.intact.pop(slot, self.perhaps.get(slot))
+        if old is not None:
+            self.perhaps[slot] = old
+
+    def allowed(self, interrupted_step: int) -> tuple[int | None, set[int]]:
+        """The oldest acceptable step (None: no bundle needed) and every possible one."""
+        floor = max(self.intact.values(), default=None)
+        possible = {*self.intact.values(), *self.perhaps.values(), interrupted_step}
+        return floor, possible
+
+    def confirm(self, step: int) -> None:
+        """``step`` was loaded, so it is complete (and still in its stem)."""
+        self.saved(step)
 
 
 async def read_until(stream: trio.abc.ReceiveStream, needle: bytes, buffer: bytearray) -> None:
@@ -44,17 +79,18 @@ async def read_rest(stream: trio.abc.ReceiveStream, buffer: bytearray) -> None:
         buffer += chunk
 
 
-def check_consistent(directory: Path, done_so_far: int | None) -> int | None:
-    """The step of the loaded bundle (None when none exists), after checking its contents."""
+def load_and_check(directory: Path, floor: int | None, possible: set[int]) -> int | None:
+    """The step of the bundle the directory loads (None when none), after checking it."""
     try:
         bundle = load_bundle(directory)
     except CheckpointError as exc:
-        assert done_so_far is None, f"a save completed (step {done_so_far}) but: {exc}"
+        assert floor is None, f"step {floor} is intact, yet: {exc}"
         assert "no complete checkpoint bundle" in str(exc)
         assert find_latest(directory) is None
         return None
     step = bundle.meta.global_step
-    assert done_so_far is None or step >= done_so_far
+    assert step in possible, f"loaded step {step}, never saved or since replaced"
+    assert floor is None or step >= floor, f"loaded step {step}, but {floor} is intact"
     for name, tensor in bundle.model_state.items():
         assert torch.equal(tensor, torch.full_like(tensor, float(step))), name
     assert bundle.optimizer_state is not None
@@ -64,8 +100,8 @@ def check_consistent(directory: Path, done_so_far: int | None) -> int | None:
     return step
 
 
-def interrupted_save_left_traces(directory: Path) -> bool:
-    names = [p.name for p in directory.iterdir()]
+def traces_of_an_interrupted_save(directory: Path) -> bool:
+    names = {p.name for p in directory.iterdir()}
     half_written = any(TEMP_MARKER in name for name in names)
     data_without_meta = any(
         name.endswith(".model.safetensors")
@@ -75,43 +111,54 @@ def interrupted_save_left_traces(directory: Path) -> bool:
     return half_written or data_without_meta
 
 
+async def kill_a_saver(directory: Path, first_step: int, delay: float) -> list[int]:
+    """Run a saver from ``first_step``, SIGKILL it ``delay`` s after it is ready; its saves."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, str(SAVER), str(directory), str(first_step)],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    out = bytearray()
+    try:
+        with trio.fail_after(60):
+            await read_until(proc.stdout, b"ready\n", out)
+        await trio.sleep(delay)
+    finally:
+        proc.kill()
+        await proc.wait()
+    with trio.fail_after(10):
+        await read_rest(proc.stdout, out)
+    await proc.stdout.aclose()
+    assert proc.returncode == -9
+    lines = out.decode().splitlines()
+    return [int(line.split()[1]) for line in lines if line.startswith("saved ")]
+
+
 async def test_sigkill_during_saves_never_leaves_a_broken_latest(tmp_path: Path) -> None:
     rng = random.Random(SEED)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done: int | None = None  # newest step a child reported saved
-    loaded_steps: list[int | None] = []
-    interrupted = 0
-    attempt = 0
-    while attempt < MIN_TRIES or (interrupted < WANTED_INTERRUPTIONS and attempt < MAX_TRIES):
+    ledger = Ledger()
+    interruptions = completed = attempt = 0
+    loaded: int | None = None
+    while attempt < MIN_TRIES or (interruptions < WANTED_INTERRUPTIONS and attempt < MAX_TRIES):
         first_step = attempt * 1000
-        proc = await trio.lowlevel.open_process(
-            [sys.executable, str(SAVER), str(tmp_path), str(first_step)],
-            stdout=subprocess.PIPE,
-            env=env,
-            cwd=ROOT,
-        )
-        assert proc.stdout is not None
-        out = bytearray()
-        try:
-            with trio.fail_after(60):
-                await read_until(proc.stdout, b"ready\n", out)
-            # The first try is killed almost at once, usually before any save completes.
-            await trio.sleep(rng.uniform(0.0, 0.02) if attempt == 0 else rng.uniform(0.0, 0.6))
-        finally:
-            proc.kill()
-            await proc.wait()
-        with trio.fail_after(10):
-            await read_rest(proc.stdout, out)
-        await proc.stdout.aclose()
-        assert proc.returncode == -9
-        steps = [
-            int(line.split()[1]) for line in out.decode().splitlines() if line.startswith("saved")
-        ]
-        if steps:
-            done = max(steps)
-        interrupted += interrupted_save_left_traces(tmp_path)
-        loaded_steps.append(check_consistent(tmp_path, done))
+        # The first saver is killed almost at once, usually before any save completes.
+        delay = rng.uniform(0.0, 0.02) if attempt == 0 else rng.uniform(0.0, 0.6)
+        saves = await kill_a_saver(tmp_path, first_step, delay)
+        assert saves == list(range(first_step, first_step + len(saves)))
+        for step in saves:
+            ledger.saved(step)
+        in_progress = first_step + len(saves)
+        ledger.interrupted(in_progress)
+        interruptions += traces_of_an_interrupted_save(tmp_path)
+        completed += len(saves)
+
+        loaded = load_and_check(tmp_path, *ledger.allowed(in_progress))
+        if loaded is not None:
+            ledger.confirm(loaded)
         attempt += 1
-    assert done is not None, "no save ever completed: the kill delays are too short"
-    assert loaded_steps[-1] is not None and loaded_steps[-1] >= done
-    assert interrupted >= WANTED_INTERRUPTIONS, f"{interrupted} kills landed mid-save"
+    assert completed > 0, "no save ever completed: the kill delays are too short"
+    assert loaded is not None
+    assert interruptions >= WANTED_INTERRUPTIONS, f"only {interruptions} kills landed mid-save"
