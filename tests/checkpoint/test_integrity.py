@@ -150,3 +150,17 @@ def test_importing_flodl_checkpoint_does_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_resave_without_config_drops_the_old_config(tmp_path: Path) -> None:
+    meta = make_meta()
+    save_bundle(tmp_path, "s", model_state={}, optimizer_state=None, meta=meta, config={"a": 1})
+    assert (tmp_path / "s.config.json").exists()
+    save_bundle(tmp_path, "s", model_state={}, optimizer_state=None, meta=meta)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest.json",
+        "s.meta.json",
+        "s.model.safetensors",
+    ]
+    bundle = load_bundle(tmp_path)
+    assert (bundle.config, bundle.optimizer_state, bundle.model_state) == (None, None, {})
