@@ -32,6 +32,7 @@ __all__ = [
     "ElChe",
     "Phase",
     "RankWindow",
+    "elche_for_world",
     "elect_anchor",
     "rust_round",
 ]
@@ -849,3 +850,31 @@ def _scale_down(counts: Sequence[int], limit: int) -> list[int]:
 
 def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def elche_for_world(state: Mapping[str, Any], world_size: int) -> ElChe:
+    """The saved ElChe, fitted to ``world_size`` ranks.
+
+    Ranks are matched by index: rank ``i`` of the resumed run inherits rank ``i``'s timings.
+    The anchor, its bounds, the calibration count (hence the phase) and the growth latch are
+    kept in every case.
+
+    - Same size: exactly the saved ElChe.
+    - Fewer ranks: ranks ``world_size..`` are dropped as by :meth:`ElChe.for_survivors`; if the
+      anchor rank was among them, the slowest timed survivor becomes the anchor rank, and the
+      counts are recomputed from the kept timings.
+    - More ranks: new ranks are appended as by :meth:`ElChe.add_rank`; they have no timing and
+      run ``anchor`` batches until their first report.
+
+    Raises:
+        CheckpointError: ``state`` is malformed or from a newer ElChe.
+        ConfigError: ``world_size`` < 1.
+    """
+    if world_size < 1:
+        raise ConfigError(f"cannot resume with world size {world_size}; it must be >= 1")
+    elche = ElChe.from_state(state)
+    if world_size < elche.world_size:
+        return elche.for_survivors(range(world_size))
+    while elche.world_size < world_size:
+        elche.add_rank()
+    return elche

@@ -31,7 +31,7 @@ import attrs
 from flodl.config import CoordinatorConfig
 from flodl.core.cycle import Cycle, Policy
 from flodl.core.effects import Broadcast, Send
-from flodl.core.elche import ElChe, RankWindow
+from flodl.core.elche import ElChe, RankWindow, elche_for_world
 from flodl.core.guards import Guard, make_guard
 from flodl.core.liveness import Liveness, LossCause, RankLost, unrecoverable_reason
 from flodl.core.partitions import ChunkPool
@@ -114,20 +114,6 @@ class ResumeState:
     global_step: int = 0
     sync_round: int = 0
     elche_state: Mapping[str, Any] | None = None
-
-
-def elche_for_world(state: Mapping[str, Any], world_size: int) -> ElChe:
-    """ElChe restored from ``state`` and fitted to ``world_size`` ranks.
-
-    Extra ranks of the saved run are dropped (the lowest indices are kept); missing ones are
-    added untimed, so ElChe calibrates them. Anchor, phase and guard latch carry over.
-    """
-    elche = ElChe.from_state(state)
-    if elche.world_size > world_size:
-        elche = elche.for_survivors(list(range(world_size)))
-    while elche.world_size < world_size:
-        elche.add_rank()
-    return elche
 
 
 @attrs.define
