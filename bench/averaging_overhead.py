@@ -1,0 +1,268 @@
+"""Averaging overhead: flodl's averaging round against a bare gloo all-reduce of the same bytes.
+
+:func:`run_overhead` hosts two rendezvous stores and starts ``world`` rank processes (this
+file). Each rank builds the same ~10.5M-parameter model (ten 1024x1024 linear layers and a
+BatchNorm, so float and integer buffers too), joins a flodl :class:`GlooBackend` group
+(``verify=True``, as a rank under ``flodl run`` uses) and a plain ``ProcessGroupGloo`` on the
+other store, then repeats, in an order that rotates every repetition so load drift hits all
+alike, with a 1-element all-reduce barrier before each:
+
+* ``bare``: ``allreduce`` (SUM) of one flat float32 buffer of the size flodl reduces
+  (parameters + mass + mover + float buffers), called directly;
+* ``flodl``: ``await backend.average(params, buffers, batches)``, exactly what a rank does on
+  SyncNow: scratch copy with the mass rule, the SUM all-reduce, divide once, checksum verify
+  collective, write-back with the divergence norms, all in worker threads;
+* ``flodl_no_verify``: the same with ``backend.verify = False``;
+* ``stages``: the stages of that round run one by one on the calling thread (no trio thread
+  hop), each timed, to say where the time goes.
+
+A repetition's figure is the slowest rank's time (each rank's time, MAX-reduced). Figures are
+medians over the repetitions after ``warmup`` untimed ones. The SyncNow/SyncAck messages
+themselves (tens of microseconds each, see bench/results/wire.json) are not included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import trio
+from torch._C._distributed_c10d import ProcessGroupGloo
+
+from flodl.backends.averaging import (
+    FlatLayout,
+    apply_average,
+    bit_checksum,
+    finish_average,
+    pack,
+    read_sums,
+)
+from flodl.backends.gloo import GlooBackend
+from flodl.backends.group import GroupInfo, connect_store, host_store
+
+HERE = Path(__file__).resolve()
+VARIANTS = ("bare", "flodl", "flodl_no_verify", "stages")
+STAGES = ("pack", "allreduce", "finish", "checksum", "verify_allreduce", "apply_norms")
+
+
+def build_model(width: int = 1024, layers: int = 10) -> torch.nn.Module:
+    """``layers`` linear layers ``width x width`` and one BatchNorm (10.5M parameters)."""
+    torch.manual_seed(0)
+    blocks: list[torch.nn.Module] = [torch.nn.Linear(width, width) for _ in range(layers)]
+    return torch.nn.Sequential(*blocks, torch.nn.BatchNorm1d(width))
+
+
+class Bare:
+    """A plain gloo group and the calls the bench makes on it."""
+
+    def __init__(self, info: GroupInfo, rank: int, world: int) -> None:
+        store = connect_store(info, timedelta(seconds=60))
+        self.pg: Any = ProcessGroupGloo(store, rank, world, timedelta(seconds=60))
+
+    def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(op)
+        self.pg.allreduce([tensor], opts).wait()
+
+    def barrier(self) -> None:
+        self.allreduce(torch.zeros(1), dist.ReduceOp.SUM)
+
+
+def staged_round(
+    bare: Bare,
+    params: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    batches: int,
+) -> dict[str, float]:
+    """flodl's round, stage by stage on this thread (the same functions the backend calls)."""
+    times: dict[str, float] = {}
+    clock = time.perf_counter
+    t = clock()
+    layout = FlatLayout.of(params, buffers)
+    flat = pack(params, buffers, layout, batches, 1.0)
+    times["pack"], t = clock() - t, clock()
+    bare.allreduce(flat, dist.ReduceOp.SUM)
+    times["allreduce"], t = clock() - t, clock()
+    reduced = read_sums(flat, layout)
+    finish_average(flat, layout, reduced)
+    times["finish"], t = clock() - t, clock()
+    check = bit_checksum(flat)
+    times["checksum"], t = clock() - t, clock()
+    pair = torch.tensor([check, -check], dtype=torch.int64)
+    bare.allreduce(pair, dist.ReduceOp.MAX)
+    times["verify_allreduce"], t = clock() - t, clock()
+    apply_average(flat, layout, params, buffers)
+    times["apply_norms"] = clock() - t
+    return times
+
+
+async def rank_main(
+    rank: int, world: int, flodl_info: bytes, bare_info: GroupInfo, reps: int, warmup: int
+) -> dict[str, Any]:
+    """Run every variant ``warmup + reps`` times; the slowest rank's seconds per repetition."""
+    torch.set_num_threads(1)
+    model = build_model()
+    params, buffers = list(model.parameters()), list(model.buffers())
+    backend = GlooBackend(op_timeout=120.0, join_timeout=60.0)
+    await backend.join_group(flodl_info, rank, world, generation=0)
+    bare = await trio.to_thread.run_sync(Bare, bare_info, rank, world)
+    layout = FlatLayout.of(params, buffers)
+    flat = torch.zeros(layout.total)
+    batches = 10 + rank  # unequal masses, as after a Cadence window
+
+    def timed(fn: Callable[[], object]) -> float:
+        bare.barrier()
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+
+    async def flodl_round(verify: bool) -> float:
+        backend.verify = verify
+        bare.barrier()
+        started = time.perf_counter()
+        await backend.average(params, buffers, batches)
+        return time.perf_counter() - started
+
+    rows: list[dict[str, float]] = []
+    try:
+        for rep in range(warmup + reps):
+            row: dict[str, float] = {}
+            shift = rep % len(VARIANTS)
+            for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+                if variant == "bare":
+                    row["bare"] = timed(lambda: bare.allreduce(flat, dist.ReduceOp.SUM))
+                elif variant == "flodl":
+                    row["flodl"] = await flodl_round(True)
+                elif variant == "flodl_no_verify":
+                    row["flodl_no_verify"] = await flodl_round(False)
+                else:
+                    bare.barrier()
+                    row.update(staged_round(bare, params, buffers, batches))
+            keys = sorted(row)
+            worst = torch.tensor([row[k] for k in keys], dtype=torch.float64)
+            bare.allreduce(worst, dist.ReduceOp.MAX)
+            if rep >= warmup:
+                rows.append(dict(zip(keys, worst.tolist(), strict=True)))
+    finally:
+        await backend.close()
+        bare.pg = None
+    return {
+        "parameters": sum(p.numel() for p in params),
+        "flat_elements": layout.total,
+        "rows": rows,
+    }
+
+
+def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
+    """Medians in ms, the per-repetition ratio flodl / bare (median) and the stage shares."""
+
+    def median_ms(key: str) -> float:
+        return round(1000 * statistics.median(r[key] for r in rows), 3)
+
+    ratios = [r["flodl"] / r["bare"] for r in rows]
+    stages = {name: median_ms(name) for name in STAGES}
+    return {
+        "repetitions": len(rows),
+        "bare_allreduce_ms": median_ms("bare"),
+        "flodl_round_ms": median_ms("flodl"),
+        "flodl_round_no_verify_ms": median_ms("flodl_no_verify"),
+        "overhead_ratio": round(statistics.median(ratios), 3),
+        "overhead_ratio_no_verify": round(
+            statistics.median(r["flodl_no_verify"] / r["bare"] for r in rows), 3
+        ),
+        "overhead_ratio_spread": [round(min(ratios), 3), round(max(ratios), 3)],
+        "stages_ms": stages,
+        "stages_sum_ms": round(sum(stages.values()), 3),
+    }
+
+
+def run_overhead(
+    world: int = 2, reps: int = 12, warmup: int = 2, timeout: float = 240.0
+) -> dict[str, Any]:
+    """Start ``world`` rank processes, collect rank 0's rows, summarize them.
+
+    Every process started here has exited when this returns or raises (killed on timeout).
+    """
+    flodl_store, flodl_info = host_store(0, "127.0.0.1")
+    bare_store, bare_info = host_store(1, "127.0.0.1")
+    with tempfile.TemporaryDirectory(prefix="avg-bench-") as tmp:
+        out = Path(tmp) / "rank0.json"
+        command = [
+            sys.executable,
+            str(HERE),
+            f"--world={world}",
+            f"--flodl-info={flodl_info.encode().hex()}",
+            f"--bare-info={bare_info.encode().hex()}",
+            f"--reps={reps}",
+            f"--warmup={warmup}",
+            f"--out={out}",
+        ]
+        processes = [
+            subprocess.Popen(
+                [*command, f"--rank={r}"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in range(world)
+        ]
+        try:
+            deadline = time.monotonic() + timeout
+            outputs = [
+                p.communicate(timeout=max(deadline - time.monotonic(), 1.0))[0] for p in processes
+            ]
+        finally:
+            for p in processes:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(p.returncode != 0 for p in processes):
+            raise RuntimeError("averaging bench ranks failed:\n" + "\n".join(outputs))
+        data = json.loads(out.read_text())
+    del flodl_store, bare_store
+    return {
+        "world_size": world,
+        "parameters": data["parameters"],
+        "flat_elements": data["flat_elements"],
+        "warmup": warmup,
+        **summarize(data["rows"]),
+    }
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(description="one rank of the averaging-overhead bench")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--flodl-info", required=True)
+    parser.add_argument("--bare-info", required=True)
+    parser.add_argument("--reps", type=int, required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    result = trio.run(
+        rank_main,
+        args.rank,
+        args.world,
+        bytes.fromhex(args.flodl_info),
+        GroupInfo.decode(bytes.fromhex(args.bare_info)),
+        args.reps,
+        args.warmup,
+    )
+    if args.rank == 0:
+        args.out.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
