@@ -30,9 +30,10 @@ import trio
 from flodl.admission import serve_ranks
 from flodl.config import CoordinatorConfig, check_session_key
 from flodl.core.effects import Broadcast, Send
-from flodl.core.machine import CoordinatorMachine, Disconnect, Effect, Outcome
+from flodl.core.machine import CoordinatorMachine, Disconnect, Effect, Outcome, ResumeState
 from flodl.core.timeline import Timeline
 from flodl.errors import (
+    ChannelClosed,
     CoordinatorError,
     HandshakeError,
     ProtocolError,
@@ -41,7 +42,11 @@ from flodl.errors import (
 )
 from flodl.transports import open_listener
 from flodl.transports.channel import Channel
+from flodl.wire.codec import EncodedMessage, encode_message
 from flodl.wire.messages import CoordHeartbeat, Message
+
+_Outgoing = Message | EncodedMessage
+"""What an outbox holds: a message, or one whose payload a broadcast encoded once for all."""
 
 log = logging.getLogger("flodl.coordinator")
 
@@ -62,7 +67,7 @@ OUTBOX_LIMIT = 4096
 @attrs.define
 class _RankLink:
     rank: int
-    outbox: trio.MemorySendChannel[Message]
+    outbox: trio.MemorySendChannel[_Outgoing]
     scope: trio.CancelScope
 
 
@@ -117,7 +122,7 @@ class Coordinator:
         machine hears of the disconnect at once, and the error is re-raised (unwrapped) for
         the admission server to report.
         """
-        outbox_send, outbox_receive = trio.open_memory_channel[Message](OUTBOX_LIMIT)
+        outbox_send, outbox_receive = trio.open_memory_channel[_Outgoing](OUTBOX_LIMIT)
         scope = trio.CancelScope()
         link = _RankLink(rank, outbox_send, scope)
         self._links[rank] = link
@@ -144,24 +149,42 @@ class Coordinator:
             raise errors[0]
 
     async def _read_loop(self, rank: int, channel: Channel) -> None:
-        async for message in channel:
-            claimed = getattr(message, "rank", rank)
-            if claimed != rank:
-                raise ProtocolError(
-                    f"rank {rank} sent {type(message).__name__} claiming to be rank {claimed}"
-                )
-            self._perform(self._machine.on_message(rank, message, trio.current_time()))
+        # Every message already buffered is handled in one go: one clock read and one
+        # deadline check per wake-up rather than per message (they arrived together).
+        machine = self._machine
+        while True:
+            try:
+                batch = await channel.receive_batch()
+            except ChannelClosed:
+                return
+            now = trio.current_time()
+            for message in batch:
+                claimed = getattr(message, "rank", rank)
+                if claimed != rank:
+                    raise ProtocolError(
+                        f"rank {rank} sent {type(message).__name__} claiming to be rank {claimed}"
+                    )
+                self._apply(machine.on_message(rank, message, now))
+            self._after_effects()
 
     async def _write_loop(
         self,
         channel: Channel,
-        outbox: trio.MemoryReceiveChannel[Message],
+        outbox: trio.MemoryReceiveChannel[_Outgoing],
         link: _RankLink,
         errors: list[BaseException],
     ) -> None:
+        # Whatever queued up while the last write was under way (a window's SyncNow,
+        # SetGlobalStep and ExtendPartition, say) goes out in one write.
         try:
             async for message in outbox:
-                await channel.send(message)
+                batch = [message]
+                while True:
+                    try:
+                        batch.append(outbox.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                await channel.send_many(batch)
         except _CONNECTION_ERRORS as err:
             errors.append(err)
             link.scope.cancel()
@@ -169,7 +192,7 @@ class Coordinator:
     async def heartbeat_loop(self) -> None:
         """Beat every ``heartbeat_interval`` until the run ends; nothing else can delay it."""
         interval = self._config.heartbeat_interval
-        beat = CoordHeartbeat()
+        beat = encode_message(CoordHeartbeat())
         next_beat = trio.current_time()
         while not self._finished.is_set():
             for link in list(self._links.values()):
@@ -205,6 +228,11 @@ class Coordinator:
     # --- effects --------------------------------------------------------------------------
 
     def _perform(self, effects: Iterable[Effect]) -> None:
+        self._apply(effects)
+        self._after_effects()
+
+    def _apply(self, effects: Iterable[Effect]) -> None:
+        """Carry out ``effects`` in order; a broadcast's payload is encoded once for all."""
         for effect in effects:
             if isinstance(effect, Send):
                 link = self._links.get(effect.rank)
@@ -212,14 +240,20 @@ class Coordinator:
                     self._enqueue(link, effect.message)
             elif isinstance(effect, Broadcast):
                 targets = self._links.keys() if effect.ranks is None else effect.ranks
+                encoded: EncodedMessage | None = None
                 for rank in list(targets):
                     link = self._links.get(rank)
                     if link is not None:
-                        self._enqueue(link, effect.message)
+                        if encoded is None:
+                            encoded = encode_message(effect.message)
+                        self._enqueue(link, encoded)
             elif isinstance(effect, Disconnect):
                 link = self._links.get(effect.rank)
                 if link is not None:
                     link.scope.cancel()
+
+    def _after_effects(self) -> None:
+        """Notice the end of the run, and pull the deadline loop's wake-up earlier if needed."""
         if self._machine.finished and not self._finished.is_set():
             self._finished.set()
         scope = self._deadline_scope
@@ -228,7 +262,7 @@ class Coordinator:
             if deadline < scope.deadline:
                 scope.deadline = deadline
 
-    def _enqueue(self, link: _RankLink, message: Message) -> None:
+    def _enqueue(self, link: _RankLink, message: _Outgoing) -> None:
         try:
             link.outbox.send_nowait(message)
         except trio.WouldBlock:
@@ -253,6 +287,7 @@ async def open_coordinator(
     local_ranks: frozenset[int] | None = None,
     seed: int = 0,
     linger: float = 5.0,
+    resume: ResumeState | None = None,
 ) -> AsyncIterator[Coordinator]:
     """Listen on ``url`` and coordinate ``world_size`` ranks until the block exits.
 
@@ -269,6 +304,7 @@ async def open_coordinator(
         now=trio.current_time(),
         local_ranks=frozenset(range(world_size)) if local_ranks is None else local_ranks,
         seed=seed,
+        resume=resume,
     )
     coordinator = Coordinator(machine, config, listener.url)
     try:

@@ -7,7 +7,8 @@ It also holds the two handshake drivers that open one: :func:`connect_rank` (ran
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Self
 
@@ -17,10 +18,11 @@ from flodl.errors import (
     BrokenChannel,
     ChannelClosed,
     DuplicateRank,
+    FrameTooLarge,
     HandshakeError,
     HandshakeVersionMismatch,
 )
-from flodl.wire.codec import DEFAULT_MAX_PAYLOAD, FrameDecoder, FrameEncoder
+from flodl.wire.codec import DEFAULT_MAX_PAYLOAD, EncodedMessage, FrameDecoder, FrameEncoder
 from flodl.wire.handshake import (
     CLIENT_HELLO_SIZE,
     NONCE_SIZE,
@@ -73,18 +75,32 @@ class Channel:
         self._send_broken: BaseException | None = None
         self._receiving = False
         self._peer_closed = False
+        self._ready: deque[Message] = deque()
+        """Messages decoded by a batch read but not yet returned by :meth:`receive`."""
+        self._pending_error: Exception | None = None
+        """A wire error found behind good frames, raised once those are delivered."""
 
     @property
     def stream(self) -> trio.abc.Stream:
         """The underlying stream (for transport-specific options)."""
         return self._stream
 
-    async def send(self, message: Message) -> None:
+    async def send(self, message: Message | EncodedMessage) -> None:
         """Send one message; frames of concurrent senders never interleave.
 
+        An :class:`~flodl.wire.codec.EncodedMessage` goes out exactly as its message would.
         Raises FrameTooLarge (nothing sent, channel still usable) or BrokenChannel. If the
         send is cancelled or fails midway, part of a frame may be on the wire, so every later
         send raises BrokenChannel.
+        """
+        await self.send_many((message,))
+
+    async def send_many(self, messages: Sequence[Message | EncodedMessage]) -> None:
+        """Send ``messages`` in order with one write to the stream (one checkpoint).
+
+        Same guarantees as :meth:`send`. If one is too large, the ones before it are sent
+        and FrameTooLarge is raised (the ones after it are not sent; the channel stays
+        usable).
         """
         lock = self._send_lock
         try:
@@ -94,14 +110,30 @@ class Channel:
         try:
             if self._send_broken is not None:
                 raise BrokenChannel(f"cannot send: an earlier send failed ({self._send_broken!r})")
-            frame = self._encoder.encode(message)
-            try:
-                await self._stream.send_all(frame)
-            except BaseException as err:
-                self._send_broken = err
-                if isinstance(err, trio.BrokenResourceError | trio.ClosedResourceError):
-                    raise BrokenChannel(f"cannot send {type(message).__name__}: {err}") from err
-                raise
+            encode = self._encoder.encode
+            too_large: FrameTooLarge | None = None
+            if len(messages) == 1:
+                data = encode(messages[0])
+            else:
+                frames = []
+                for message in messages:
+                    try:
+                        frames.append(encode(message))
+                    except FrameTooLarge as err:
+                        too_large = err
+                        break
+                data = b"".join(frames)
+            if data:
+                try:
+                    await self._stream.send_all(data)
+                except BaseException as err:
+                    self._send_broken = err
+                    if isinstance(err, trio.BrokenResourceError | trio.ClosedResourceError):
+                        names = ", ".join(_name_of(m) for m in messages)
+                        raise BrokenChannel(f"cannot send {names}: {err}") from err
+                    raise
+            if too_large is not None:
+                raise too_large
         finally:
             lock.release()
 
@@ -127,15 +159,43 @@ class Channel:
         broke or an earlier error poisoned the channel, and the decoder's wire errors. Safe to
         cancel: bytes already read stay buffered for the next call.
         """
+        ready = self._ready
+        if not ready:
+            ready.extend(await self.receive_batch())
+        return ready.popleft()
+
+    async def receive_batch(self) -> list[Message]:
+        """Every complete message buffered from the peer, after reading the stream once if
+        none was (never an empty list).
+
+        Errors as :meth:`receive`; a wire error found after some good frames is raised by the
+        next call, so the good frames ahead of it are delivered first and in order. Safe to
+        cancel: bytes already read stay buffered for the next call.
+        """
         if self._receiving:
             raise trio.BusyResourceError("another task is already receiving on this channel")
         self._receiving = True
         try:
+            if self._ready:
+                batch = list(self._ready)
+                self._ready.clear()
+                return batch
+            pending_error = self._pending_error
+            if pending_error is not None:
+                self._pending_error = None  # from now on the poisoned decoder answers
+                raise pending_error
             decoder = self._decoder
             while True:
-                message = decoder.next_message()
-                if message is not None:
-                    return message
+                batch = []
+                try:
+                    while (message := decoder.next_message()) is not None:
+                        batch.append(message)
+                except Exception as err:
+                    if not batch:
+                        raise
+                    self._pending_error = err
+                if batch:
+                    return batch
                 if self._peer_closed:
                     raise ChannelClosed("the peer closed the channel")
                 try:
@@ -174,6 +234,11 @@ class Channel:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+def _name_of(message: Message | EncodedMessage) -> str:
+    plain = message.message if isinstance(message, EncodedMessage) else message
+    return type(plain).__name__
 
 
 async def _receive_exactly(

@@ -88,7 +88,7 @@ class Link:
         """Replace the plan now; readers held by a partition re-check it (no checkpoint)."""
         self._plan = plan
         for pipe in list(self._held):
-            pipe.readable.unpark_all()
+            pipe.readable.wake()
         self._healed.unpark_all()
 
     def hold(self, pipe: _Pipe) -> None:
@@ -111,7 +111,44 @@ class _Marker(enum.Enum):
     RESET = "reset"
 
 
-_Chunk = tuple[float, memoryview | _Marker]
+_Chunk = tuple[float, bytes | memoryview | _Marker]
+"""(deliver_at, item). Data is the sender's bytes object, or a memoryview of the part of one
+left after a partial read (so reading a large chunk piecewise copies each byte once)."""
+
+_AT_ONCE = -math.inf
+"""The delivery stamp of a chunk sent with zero latency: ready as soon as it is at the head
+(saves reading the clock on both ends of the hot path)."""
+
+
+class _Waiter:
+    """Where the one task that waits on one side of a pipe parks.
+
+    Each end of a stream admits one receiving and one sending task at a time (the guards), so
+    each of a pipe's two wait points has at most one waiter; a slot is cheaper than a
+    ParkingLot. :meth:`wake` reschedules the parked task (no-op when none); a cancelled
+    :meth:`park` leaves the slot empty.
+    """
+
+    __slots__ = ("_task",)
+
+    def __init__(self) -> None:
+        self._task: trio.lowlevel.Task | None = None
+
+    def wake(self) -> None:
+        task = self._task
+        if task is not None:
+            self._task = None
+            trio.lowlevel.reschedule(task)
+
+    async def park(self) -> None:
+        if self._task is not None:  # the guards make this unreachable; never lose a waiter
+            raise trio.BusyResourceError("another task is already waiting on this memory pipe")
+        self._task = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort)
+
+    def _abort(self, _raise_cancel: object) -> trio.lowlevel.Abort:
+        self._task = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 class _Guard:
@@ -160,13 +197,15 @@ class _Pipe:
         self.reader_closed = False  # aclose on the reader end
         self.broken = False  # cut: a RESET marker was queued (or the reader had closed)
         self.readers_waiting = 0
-        self.readable = trio.lowlevel.ParkingLot()  # the reader parks here
-        self.writable = trio.lowlevel.ParkingLot()  # the writer parks here
+        self.readable = _Waiter()  # the reader parks here
+        self.writable = _Waiter()  # the writer parks here
         self.reverse: _Pipe = self
 
-    def _push(self, item: memoryview | _Marker) -> None:
-        self.chunks.append((trio.current_time() + self.link.plan.latency, item))
-        self.readable.unpark_all()
+    def _push(self, item: bytes | _Marker) -> None:
+        latency = self.link.plan.latency
+        deliver_at = trio.current_time() + latency if latency else _AT_ONCE
+        self.chunks.append((deliver_at, item))
+        self.readable.wake()
 
     def check_writable(self) -> None:
         if self.writer_done:
@@ -194,27 +233,27 @@ class _Pipe:
     def _queue_data(self, data: bytes) -> None:
         self.sent += len(data)
         self.buffered += len(data)
-        self._push(memoryview(data))
+        self._push(data)
 
     def write_eof(self) -> None:
         if not self.writer_done:
             self.writer_done = True
             if not self.reader_closed and not self._is_reset():
                 self._push(_Marker.EOF)
-        self.writable.unpark_all()
+        self.writable.wake()
 
     def reset(self) -> None:
         if not self.broken and not self.reader_closed:
             self._push(_Marker.RESET)
         self.broken = True
-        self.writable.unpark_all()
+        self.writable.wake()
 
     def close_reader(self) -> None:
         self.reader_closed = True
         self.chunks.clear()
         self.buffered = 0
-        self.readable.unpark_all()
-        self.writable.unpark_all()
+        self.readable.wake()
+        self.writable.wake()
 
     def has_room(self) -> bool:
         return self.buffered <= self.capacity
@@ -254,14 +293,13 @@ class _Pipe:
         while True:
             if self.reader_closed:
                 raise trio.ClosedResourceError("this memory stream is closed")
-            plan = self.link.plan
-            if plan.partitioned:
+            if self.link.plan.partitioned:
                 await self._park_held()
                 blocked = True
                 continue
             if self.chunks:
                 deliver_at, item = self.chunks[0]
-                if deliver_at <= trio.current_time():
+                if deliver_at is _AT_ONCE or deliver_at <= trio.current_time():
                     if item is _Marker.RESET:
                         raise trio.BrokenResourceError("the memory connection was cut")
                     data = b"" if item is _Marker.EOF else self._take(max_bytes)
@@ -276,7 +314,7 @@ class _Pipe:
 
     async def _park_waiting(self) -> None:
         self.readers_waiting += 1
-        self.writable.unpark_all()  # a lockstep writer may now go ahead
+        self.writable.wake()  # a lockstep writer may now go ahead
         try:
             await self.readable.park()
         finally:
@@ -290,27 +328,40 @@ class _Pipe:
             self.link.release(self)
 
     def _take(self, max_bytes: int | None) -> bytes:
-        """Pop ready data from the head, up to max_bytes; stop at markers and future chunks."""
-        now = trio.current_time()
+        """Pop ready data from the head, up to max_bytes; stop at markers and future chunks.
+
+        The head chunk must be ready data. A whole chunk that is all there is to take is
+        returned as the sender's own bytes object, without a copy.
+        """
+        chunks = self.chunks
         limit = math.inf if max_bytes is None else max_bytes
-        parts: list[memoryview] = []
+        now: float | None = None
+        parts: list[bytes | memoryview] = []
         taken = 0
-        while self.chunks and taken < limit:
-            deliver_at, item = self.chunks[0]
-            if deliver_at > now or isinstance(item, _Marker):
+        while chunks and taken < limit:
+            deliver_at, item = chunks[0]
+            if isinstance(item, _Marker):
                 break
+            if deliver_at is not _AT_ONCE:
+                if now is None:
+                    now = trio.current_time()
+                if deliver_at > now:
+                    break
             room = limit - taken
             if len(item) > room:
                 cut = int(room)
-                parts.append(item[:cut])
-                self.chunks[0] = (deliver_at, item[cut:])
+                view = memoryview(item)
+                parts.append(view[:cut])
+                chunks[0] = (deliver_at, view[cut:])
                 taken += cut
                 break
             parts.append(item)
             taken += len(item)
-            self.chunks.popleft()
+            chunks.popleft()
         self.buffered -= taken
-        self.writable.unpark_all()
+        self.writable.wake()
+        if len(parts) == 1 and type(parts[0]) is bytes:
+            return parts[0]
         return b"".join(parts)
 
 

@@ -26,6 +26,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import cbor2
 
 from flodl.errors import (
@@ -53,6 +54,7 @@ MIN_KEY_BYTES = 16
 
 
 _compare_digest = hmac.compare_digest
+_Bytes = bytes | bytearray | memoryview
 
 
 def _reject_tag(*_args: object) -> Any:
@@ -79,13 +81,30 @@ class _Mac:
         self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key)).copy
         self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key)).copy
 
-    def digest(self, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+    def digest(self, header: _Bytes, payload: _Bytes) -> bytes:
         inner = self._inner()
         inner.update(header)
         inner.update(payload)
         outer = self._outer()
         outer.update(inner.digest())
         return outer.digest()
+
+
+@attrs.frozen
+class EncodedMessage:
+    """A message together with its CBOR payload, encoded once to be framed for many peers.
+
+    Build it with :func:`encode_message`; a :class:`FrameEncoder` frames it exactly as it
+    frames ``message`` (only the header and the MAC are computed per frame).
+    """
+
+    message: Message
+    payload: bytes
+
+
+def encode_message(message: Message) -> EncodedMessage:
+    """``message`` with its payload encoded (size limits are checked when it is framed)."""
+    return EncodedMessage(message, cbor2.dumps(to_payload(message)))
 
 
 def encode_frame(message: Message, *, key: bytes, seq: int) -> bytes:
@@ -110,17 +129,25 @@ class FrameEncoder:
         """The sequence number the next frame will carry."""
         return self._seq
 
-    def encode(self, message: Message) -> bytes:
-        """Encode ``message``; raises FrameTooLarge (and consumes no sequence number) if too big."""
-        payload = cbor2.dumps(to_payload(message))
+    def encode(self, message: Message | EncodedMessage) -> bytes:
+        """Frame ``message``; raises FrameTooLarge (and consumes no sequence number) if too big.
+
+        An :class:`EncodedMessage` is framed with its ready payload (same bytes on the wire).
+        """
+        if isinstance(message, EncodedMessage):
+            payload = message.payload
+            plain = message.message
+        else:
+            payload = cbor2.dumps(to_payload(message))
+            plain = message
         if len(payload) > self._max_payload:
             raise FrameTooLarge(
-                f"{type(message).__name__} payload is {len(payload)} bytes, "
+                f"{type(plain).__name__} payload is {len(payload)} bytes, "
                 f"above the limit of {self._max_payload}"
             )
-        header = _HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, message.TAG, len(payload), self._seq)
+        header = _HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, plain.TAG, len(payload), self._seq)
         self._seq += 1
-        return header + self._mac.digest(header, payload) + payload
+        return b"".join((header, self._mac.digest(header, payload), payload))
 
 
 class FrameDecoder:
@@ -132,7 +159,16 @@ class FrameDecoder:
     later call raises :class:`BrokenChannel` (a stream that lied once is never trusted again).
     """
 
-    __slots__ = ("_allowed", "_buffer", "_error", "_mac", "_max_payload", "_payloads", "_seq")
+    __slots__ = (
+        "_allowed",
+        "_buffer",
+        "_error",
+        "_mac",
+        "_max_payload",
+        "_payloads",
+        "_seq",
+        "_start",
+    )
 
     def __init__(
         self,
@@ -146,20 +182,34 @@ class FrameDecoder:
         self._max_payload = max_payload
         self._allowed = allowed_tags
         self._seq = first_seq
-        self._buffer = bytearray()
+        # Unconsumed bytes are self._buffer[self._start:]. A buffer that holds whole frames is
+        # the bytes object as fed (frames are sliced out of it, no copy of the rest); it
+        # becomes a bytearray only while a frame arrives in pieces.
+        self._buffer: bytes | bytearray = b""
+        self._start = 0
         self._error: Exception | None = None
         self._payloads = PayloadDecoder()
 
     @property
     def buffered(self) -> int:
         """Bytes fed but not yet consumed by a complete frame."""
-        return len(self._buffer)
+        return len(self._buffer) - self._start
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        """Append bytes received from the peer."""
+        """Append bytes received from the peer (copied unless ``data`` is immutable bytes)."""
         if self._error is not None:
             self._check_usable()
-        self._buffer += data
+        buffer = self._buffer
+        if self._start:
+            buffer = buffer[self._start :]
+            self._start = 0
+        if not buffer:
+            self._buffer = bytes(data)
+        elif type(buffer) is bytearray:
+            buffer += data
+            self._buffer = buffer
+        else:
+            self._buffer = bytearray(buffer) + data
 
     def next_message(self) -> Message | None:
         """The next complete message, or None if more bytes are needed."""
@@ -179,9 +229,9 @@ class FrameDecoder:
     def end_of_stream(self) -> None:
         """Say the peer closed its side; raises TruncatedFrame if a frame was cut short."""
         self._check_usable()
-        if self._buffer:
+        if self.buffered:
             err = TruncatedFrame(
-                f"stream ended inside a frame ({len(self._buffer)} bytes of an incomplete frame)"
+                f"stream ended inside a frame ({self.buffered} bytes of an incomplete frame)"
             )
             self._error = err
             raise err
@@ -192,26 +242,27 @@ class FrameDecoder:
 
     def _next(self) -> Message | None:
         buffer = self._buffer
-        available = len(buffer)
+        start = self._start
+        available = len(buffer) - start
         if available < HEADER_SIZE:
             return None
-        magic, version, tag, length, seq = _HEADER.unpack_from(buffer)
+        magic, version, tag, length, seq = _HEADER.unpack_from(buffer, start)
         if magic != FRAME_MAGIC or version != PROTOCOL_VERSION or length > self._max_payload:
             raise self._header_error(magic, version, length)
-        end = PREFIX_SIZE + length
-        if available < end:
+        payload_at = start + PREFIX_SIZE
+        end = payload_at + length
+        if len(buffer) < end:
             return None
-        if available == end:
-            frame = bytes(buffer)
-            buffer.clear()
+        # Plain slices: for control-sized frames they are cheaper than memoryviews.
+        header = buffer[start : start + HEADER_SIZE]
+        mac = buffer[start + HEADER_SIZE : payload_at]
+        payload = buffer[payload_at:end]
+        if end == len(buffer):
+            self._buffer = b""
+            self._start = 0
         else:
-            frame = bytes(buffer[:end])
-            del buffer[:end]
-        # Plain bytes slices: for control-sized frames they are cheaper than memoryviews.
-        payload = frame[PREFIX_SIZE:]
-        if not _compare_digest(
-            self._mac.digest(frame[:HEADER_SIZE], payload), frame[HEADER_SIZE:PREFIX_SIZE]
-        ):
+            self._start = end
+        if not _compare_digest(self._mac.digest(header, payload), mac):
             raise AuthenticationError(
                 f"frame {seq} (tag {tag}, {length} bytes) failed authentication: "
                 "forged, corrupted, or sent under another key"
@@ -264,7 +315,7 @@ class PayloadDecoder:
     def __init__(self) -> None:
         self._decoder = _new_cbor_decoder()
 
-    def decode(self, payload: bytes | memoryview) -> object:
+    def decode(self, payload: _Bytes) -> object:
         """Exactly one CBOR item; ProtocolError for anything else (see :func:`decode_payload`)."""
         stream = io.BytesIO(payload)
         decoder = self._decoder
