@@ -33,6 +33,7 @@ from flodl.coordinator import Coordinator, open_coordinator
 from flodl.core.machine import Status
 from flodl.core.timeline import EventKind
 from flodl.errors import ConfigError
+from flodl.resume import plan_resume, save_coordinator_meta
 
 KEY_FILE_NAME = "session.key"
 SUMMARY_NAME = "summary.json"
@@ -114,8 +115,6 @@ def rank_environment(
             "PYTHONUNBUFFERED": "1",
         }
     )
-    if config.resume is not None:
-        env["FLODL_RESUME"] = str(config.resume.resolve())
     return env
 
 
@@ -187,10 +186,17 @@ async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str,
         url = f"unix://{(run_dir / 'coordinator.sock').resolve()}"
     else:
         url = "tcp://127.0.0.1:0"
+    plan = None if config.resume is None else plan_resume(config.resume)
     started_unix = time.time()
     spawned: list[RankProcess] = []
     async with open_coordinator(
-        url, config.nproc, key, config.coordinator, seed=config.seed, linger=config.exit_grace
+        url,
+        config.nproc,
+        key,
+        config.coordinator,
+        seed=config.seed,
+        linger=config.exit_grace,
+        resume=None if plan is None else plan.state,
     ) as coordinator:
         trio_start = trio.current_time()
         master_port = int(coordinator.url.rsplit(":", 1)[-1]) if "tcp" in url else 0
@@ -198,6 +204,8 @@ async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str,
             async with trio.open_nursery() as nursery:
                 for rank in range(config.nproc):
                     env = rank_environment(config, rank, coordinator.url, key_file, master_port)
+                    if plan is not None:
+                        env["FLODL_RESUME"] = str(plan.bundle.resolve())
                     process = await trio.lowlevel.open_process(
                         [config.python, config.script, *config.script_args],
                         env=env,
@@ -225,6 +233,9 @@ async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str,
                         item.exit_code = item.process.returncode
                         item.exited_unix = time.time()
         summary = build_summary(config, coordinator, spawned, started_unix, trio_start)
+        save_coordinator_meta(run_dir, coordinator.machine.checkpoint_meta())
+        if plan is not None:
+            summary["resumed_from"] = str(plan.bundle)
     (run_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
