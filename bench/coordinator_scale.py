@@ -63,7 +63,7 @@ import sys
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -284,46 +284,53 @@ async def timer_probe(recorder: Recorder) -> None:
 # --- the lean simulated rank --------------------------------------------------------------------
 
 
-class Metronome:
-    """One timer for all simulated ranks: wakes waiters at the first 2 ms slot at or after
-    their time.
+_Action = Callable[[float], Awaitable[None]]
 
-    A trio sleep costs a cancel scope and a Cancelled exception; thousands of ranks sleeping on
-    their own would spend much of the shared core on that, which a real rank (on its own
-    machine) never charges to the coordinator. Here a rank waits on an Event of its slot.
+
+class Metronome:
+    """One timer task that acts for all simulated ranks, at the first 2 ms slot at or after
+    each action's time.
+
+    A task per rank per timer would spend much of the shared core waking tasks and sleeping
+    (a cancel scope and a Cancelled exception per sleep), which real ranks (each on its own
+    machine) never charge to the coordinator. Here ranks register actions, and this task runs
+    every action that is due in turn: each send still goes through the rank's own Channel
+    (and its checkpoint), but no rank task wakes for it. Actions of one slot run in the order
+    they were registered; a rank whose stream is full delays the ones after it (64 KiB of
+    buffer per connection: only a coordinator far behind the target gets there).
     """
 
     SLOT_S = 0.002
 
     def __init__(self) -> None:
-        self._events: dict[int, trio.Event] = {}
-        self._pending: list[int] = []
+        self._pending: list[tuple[int, int, _Action]] = []
+        self._order = itertools.count()
         self._fired_through = math.floor(trio.current_time() / self.SLOT_S)
 
-    async def wait_until(self, when: float) -> None:
-        """Return at the slot boundary at or after ``when`` (checkpoints once if it passed)."""
-        slot = math.ceil(when / self.SLOT_S)
-        if slot <= self._fired_through:
-            await trio.lowlevel.checkpoint()
-            return
-        event = self._events.get(slot)
-        if event is None:
-            event = self._events[slot] = trio.Event()
-            heapq.heappush(self._pending, slot)
-        await event.wait()
+    def at(self, when: float, action: _Action) -> None:
+        """Run ``await action(now)`` in the first slot at or after ``when`` (the next slot if
+        that one has already fired)."""
+        slot = max(math.ceil(when / self.SLOT_S), self._fired_through + 1)
+        heapq.heappush(self._pending, (slot, next(self._order), action))
 
     async def run(self) -> None:
         """Fire the slots as their time comes (late slots all at once); runs until cancelled."""
+        pending = self._pending
         while True:
             await trio.sleep_until((self._fired_through + 1) * self.SLOT_S)
-            self._fired_through = math.floor(trio.current_time() / self.SLOT_S)
-            pending = self._pending
-            while pending and pending[0] <= self._fired_through:
-                self._events.pop(heapq.heappop(pending)).set()
+            now = trio.current_time()
+            self._fired_through = math.floor(now / self.SLOT_S)
+            while pending and pending[0][0] <= self._fired_through:
+                _, _, action = heapq.heappop(pending)
+                await action(now)
 
 
 class LeanRank:
-    """A rank that only talks: Batch on a 10 Hz grid while it holds work, heartbeats, acks."""
+    """A rank that only talks: Batch on a 10 Hz grid while it holds work, heartbeats, acks.
+
+    Its own task only receives (and answers SyncNow and RequestNewGroup at once); its batches
+    and heartbeats are actions of the shared :class:`Metronome`.
+    """
 
     def __init__(
         self,
@@ -339,6 +346,8 @@ class LeanRank:
         self.recorder = recorder
         self.batch_phase = rng.uniform(0.0, BATCH_PERIOD_S)
         self.heartbeat_phase = rng.uniform(0.0, HEARTBEAT_PERIOD_S)
+        self.channel: Channel | None = None
+        """Set while connected; None once the connection ended (actions then stop)."""
         self.work = 0
         """Batches given and not yet run."""
         self.epoch = 0
@@ -346,7 +355,8 @@ class LeanRank:
         self.chunk_batches = 0
         self.chunk_started = 0.0
         self.throttled = False
-        self.work_arrived = trio.Event()
+        self.next_tick: float | None = None
+        """The grid time of the batch action registered with the metronome (None: idle)."""
 
     async def run(self, url: str, key: bytes) -> None:
         """Connect, then serve until Shutdown, the connection ends, or cancellation."""
@@ -355,66 +365,84 @@ class LeanRank:
             channel = await connect_rank(stream, key, self.rank, self.world_size)
             ready = Ready(rank=self.rank, dataset_size=DATASET_SIZE, batch_size=1, epochs=1)
             await self.send(channel, ready)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self.heartbeats, channel)
-                nursery.start_soon(self.batches, channel)
-                try:
-                    await self.receive(channel)
-                except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
-                nursery.cancel_scope.cancel()
+            self.channel = channel
+            self.metronome.at(trio.current_time() + self.heartbeat_phase, self.heartbeat)
+            try:
+                await self.receive(channel)
+            except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            finally:
+                self.channel = None
 
     async def send(self, channel: Channel, message: Message) -> None:
         self.recorder.sending(self.rank)
         await channel.send(message)
 
-    async def heartbeats(self, channel: Channel) -> None:
-        beat_at = trio.current_time() + self.heartbeat_phase
-        while True:
-            await self.metronome.wait_until(beat_at)
-            beat_at += HEARTBEAT_PERIOD_S
-            await self.send(channel, Heartbeat(rank=self.rank, step_count=self.step_count))
+    async def _send_from_metronome(self, messages: Sequence[Message]) -> None:
+        channel = self.channel
+        if channel is None:
+            return
+        for _ in messages:
+            self.recorder.sending(self.rank)
+        try:
+            await channel.send_many(messages)
+        except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
+            self.channel = None  # the receive task sees the end too and returns
 
-    async def batches(self, channel: Channel) -> None:
-        tick = self.batch_phase
-        while True:
-            while self.work == 0 or self.throttled:
-                self.work_arrived = trio.Event()
-                await self.work_arrived.wait()
-                tick = _next_grid_tick(trio.current_time(), self.batch_phase, BATCH_PERIOD_S)
-            await self.metronome.wait_until(tick)
+    async def heartbeat(self, now: float) -> None:
+        if self.channel is None:
+            return
+        self.metronome.at(now + HEARTBEAT_PERIOD_S, self.heartbeat)
+        await self._send_from_metronome((Heartbeat(rank=self.rank, step_count=self.step_count),))
+
+    def _resume_batches(self) -> None:
+        """Work arrived or a throttle lifted: go on at the next grid tick (if idle)."""
+        if self.next_tick is None and self.work > 0 and not self.throttled:
             now = trio.current_time()
-            tick += BATCH_PERIOD_S
-            if tick <= now:  # this task fell a whole period behind: skip the missed ticks
-                if self.recorder.measuring:
-                    self.recorder.late_rank_ticks += 1
-                tick = _next_grid_tick(now, self.batch_phase, BATCH_PERIOD_S)
-            if self.work == 0 or self.throttled:
-                continue
-            if self.chunk_batches == 0:
-                self.chunk_started = now - BATCH_PERIOD_S
-            self.work -= 1
-            self.step_count += 1
-            self.chunk_batches += 1
-            batch = Batch(
+            self.next_tick = _next_grid_tick(now, self.batch_phase, BATCH_PERIOD_S)
+            self.metronome.at(self.next_tick, self.batch)
+
+    async def batch(self, now: float) -> None:
+        """One grid tick: finish a batch if work is held (and the Metrics frame at its end)."""
+        tick = self.next_tick
+        assert tick is not None
+        if self.channel is None or self.work == 0 or self.throttled:
+            self.next_tick = None  # idle until work arrives or the throttle lifts
+            return
+        next_tick = tick + BATCH_PERIOD_S
+        if next_tick <= now:  # the metronome fell a whole period behind: skip missed ticks
+            if self.recorder.measuring:
+                self.recorder.late_rank_ticks += 1
+            next_tick = _next_grid_tick(now, self.batch_phase, BATCH_PERIOD_S)
+        self.next_tick = next_tick
+        self.metronome.at(next_tick, self.batch)
+        if self.chunk_batches == 0:
+            self.chunk_started = now - BATCH_PERIOD_S
+        self.work -= 1
+        self.step_count += 1
+        self.chunk_batches += 1
+        messages: list[Message] = [
+            Batch(
                 rank=self.rank,
                 batch_ms=BATCH_PERIOD_S * 1000.0,
                 data_ms=0.0,
                 step_count=self.step_count,
                 batch_loss=1.0,
             )
-            await self.send(channel, batch)
-            if self.work == 0:
-                done = Metrics(
+        ]
+        if self.work == 0:
+            messages.append(
+                Metrics(
                     rank=self.rank,
                     epoch=self.epoch,
                     avg_loss=1.0,
                     batches_processed=self.chunk_batches,
                     samples_processed=self.chunk_batches,
-                    epoch_ms=(trio.current_time() - self.chunk_started) * 1000.0,
+                    epoch_ms=(now - self.chunk_started) * 1000.0,
                 )
-                self.chunk_batches = 0
-                await self.send(channel, done)
+            )
+            self.chunk_batches = 0
+        await self._send_from_metronome(messages)
 
     async def receive(self, channel: Channel) -> None:
         async for message in channel:
@@ -424,10 +452,10 @@ class LeanRank:
                 self.epoch = message.epoch
                 size = message.partition_size if isinstance(message, StartEpoch) else message.size
                 self.work += size  # batch size 1: one batch per sample
-                self.work_arrived.set()
+                self._resume_batches()
             elif isinstance(message, SyncNow):
                 self.throttled = False
-                self.work_arrived.set()
+                self._resume_batches()
                 self.step_count += 1  # a finished collective bumps the step count
                 ack = SyncAck(rank=self.rank, round=message.round, step_count=self.step_count)
                 await self.send(channel, ack)

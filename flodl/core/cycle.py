@@ -140,6 +140,10 @@ class Cycle:
         self._last_step_count = [0] * world_size
         self._snapshot = [0] * world_size
         self._acked: set[int] = set(self._members)
+        # Invariant: _acked is a subset of _members (only members ack; drop_rank removes
+        # from both), so "every member acked" is a length comparison.
+        self._blocker: int | None = None
+        """The member that last kept :meth:`ready` False: checked first next time."""
         self._throttled: set[int] = set()
         self._state = RoundState.SETTLED
         self._round = round
@@ -266,7 +270,7 @@ class Cycle:
         return self._settle_if_complete(now)
 
     def _settle_if_complete(self, now: float) -> bool:
-        if self._state is not RoundState.IN_FLIGHT or not self._members <= self._acked:
+        if self._state is not RoundState.IN_FLIGHT or len(self._acked) != len(self._members):
             return False
         assert self._started_at is not None
         self._last_sync_duration = now - self._started_at
@@ -290,16 +294,37 @@ class Cycle:
             )
         if self._state is not RoundState.SETTLED or not self._members:
             return False
+        # Most calls come while some member is still short of its count; the one that was
+        # short last time usually still is, so it is checked first (O(1) instead of a scan).
+        blocker = self._blocker
+        if (
+            blocker is not None
+            and blocker in self._members
+            and not self._due(blocker, counts, quiesced)
+        ):
+            return False
         moved = False
-        for rank in self._members:
-            steps = self._steps[rank]
-            moved = moved or steps > 0
-            if self._policy is Policy.SYNC:
+        sync = self._policy is Policy.SYNC
+        throttled = self._throttled
+        all_steps = self._steps
+        for rank in self._members:  # _due, inlined: this loop is on the per-Batch path
+            steps = all_steps[rank]
+            if sync:
                 if steps < 1:
+                    self._blocker = rank
                     return False
-            elif steps < counts[rank] and rank not in quiesced and rank not in self._throttled:
+            elif steps < counts[rank] and rank not in quiesced and rank not in throttled:
+                self._blocker = rank
                 return False
+            moved = moved or steps > 0
         return moved
+
+    def _due(self, rank: int, counts: Sequence[int], quiesced: Set[int]) -> bool:
+        """Has ``rank`` done its part of the window (see :meth:`ready`)?"""
+        steps = self._steps[rank]
+        if self._policy is Policy.SYNC:
+            return steps >= 1
+        return steps >= counts[rank] or rank in quiesced or rank in self._throttled
 
     def start_round(self, now: float, generation: int) -> RoundStarted:
         """Arm a new round on group ``generation`` and close the current window.
