@@ -108,11 +108,18 @@ def staged_round(
 
 
 async def rank_main(
-    rank: int, world: int, flodl_info: bytes, bare_info: GroupInfo, reps: int, warmup: int
+    rank: int,
+    world: int,
+    flodl_info: bytes,
+    bare_info: GroupInfo,
+    reps: int,
+    warmup: int,
+    width: int,
+    layers: int,
 ) -> dict[str, Any]:
     """Run every variant ``warmup + reps`` times; the slowest rank's seconds per repetition."""
     torch.set_num_threads(1)
-    model = build_model()
+    model = build_model(width, layers)
     params, buffers = list(model.parameters()), list(model.buffers())
     backend = GlooBackend(op_timeout=120.0, join_timeout=60.0)
     await backend.join_group(flodl_info, rank, world, generation=0)
@@ -188,7 +195,12 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def run_overhead(
-    world: int = 2, reps: int = 12, warmup: int = 2, timeout: float = 240.0
+    world: int = 2,
+    reps: int = 12,
+    warmup: int = 2,
+    width: int = 1024,
+    layers: int = 10,
+    timeout: float = 240.0,
 ) -> dict[str, Any]:
     """Start ``world`` rank processes, collect rank 0's rows, summarize them.
 
@@ -207,6 +219,8 @@ def run_overhead(
             f"--reps={reps}",
             f"--warmup={warmup}",
             f"--out={out}",
+            f"--width={width}",
+            f"--layers={layers}",
         ]
         processes = [
             subprocess.Popen(
@@ -233,6 +247,7 @@ def run_overhead(
     del flodl_store, bare_store
     return {
         "world_size": world,
+        "model": f"{layers} x Linear({width}, {width}) + BatchNorm1d({width})",
         "parameters": data["parameters"],
         "flat_elements": data["flat_elements"],
         "warmup": warmup,
@@ -249,6 +264,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--reps", type=int, required=True)
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=10)
     args = parser.parse_args(argv)
     result = trio.run(
         rank_main,
@@ -258,6 +275,8 @@ def main(argv: Sequence[str]) -> int:
         GroupInfo.decode(bytes.fromhex(args.bare_info)),
         args.reps,
         args.warmup,
+        args.width,
+        args.layers,
     )
     if args.rank == 0:
         args.out.write_text(json.dumps(result))

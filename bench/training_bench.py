@@ -1,0 +1,302 @@
+"""Training benchmark: flodl against plain torch.distributed on the same model, data and ranks.
+
+Writes bench/results/training.json and prints a short account. Two measurements, each side by
+side in one run (gloo, CPU, ``torch.set_num_threads(1)`` in every rank):
+
+(a) **Averaging overhead** (:mod:`averaging_overhead`): flodl's averaging round
+    (``GlooBackend.average``: what a rank does between SyncNow and SyncAck) over a bare
+    ``allreduce`` of one flat float32 buffer of the same size on a plain gloo group, for a
+    10.5M-parameter model, 2 ranks (fairer than 4 on a 2-core machine), interleaved, median
+    of the slowest rank's time. Key ``overhead_ratio`` (target <= 1.15).
+(b) **Heterogeneous throughput** (:mod:`training_task`): 4 ranks, rank 3 made 2.5x slower,
+    the digits MLP trained for the same epochs by ``flodl run --policy cadence``
+    (:mod:`flodl_rank`, via :func:`flodl.launcher.launch`) and by torch
+    DistributedDataParallel (:mod:`ddp_baseline`). samples/s = samples trained by all ranks /
+    training window (first batch handed out on any rank to the end of the last rank's loop;
+    process start-up excluded on both sides). Keys ``speedup_vs_ddp`` (target >= 1.5),
+    ``fast_rank_idle_share`` (max over the fast ranks of idle_s / wall_s from flodl's
+    summary.json; target < 0.05) and ``accuracy_gap_points`` (DDP - flodl test accuracy, in
+    points; target <= 0.5).
+
+The machine may be shared: the 1-minute load average is recorded before and after each part.
+``--quick`` shrinks everything (2 ranks, tiny models, one epoch) for the smoke test; its
+figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import trio
+from averaging_overhead import run_overhead
+from ddp_baseline import run_ddp
+from training_task import TaskConfig
+
+from flodl.config import CoordinatorConfig
+from flodl.core.cycle import Policy
+from flodl.launcher import LaunchConfig, launch
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "training.json"
+FLODL_RANK = HERE / "flodl_rank.py"
+OVERHEAD_TARGET = 1.15
+SPEEDUP_TARGET = 1.5
+IDLE_TARGET = 0.05
+ACCURACY_GAP_TARGET = 0.5
+
+
+def load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def environment() -> dict[str, Any]:
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "packages": {name: version(name) for name in ("torch", "trio", "flodl")},
+    }
+
+
+def window(reports: list[dict[str, Any]]) -> float:
+    """Seconds from the first batch on any rank to the end of the last rank's loop."""
+    return float(
+        max(r["loop_end_unix"] for r in reports) - min(r["first_batch_unix"] for r in reports)
+    )
+
+
+def run_flodl(task: TaskConfig, nproc: int, coordinator: CoordinatorConfig) -> dict[str, Any]:
+    """One ``flodl run`` of the task; throughput, idle shares and accuracy from summary.json."""
+    with tempfile.TemporaryDirectory(prefix="flodl-train-bench-") as tmp:
+        config = LaunchConfig(
+            script=str(FLODL_RANK),
+            script_args=tuple(task.args()),
+            nproc=nproc,
+            backend="gloo",
+            run_dir=Path(tmp) / "run",
+            coordinator=coordinator,
+            echo=False,
+            exit_grace=30.0,
+        )
+        summary = trio.run(launch, config)
+        if summary["status"] != "completed" or any(r["exit_code"] != 0 for r in summary["ranks"]):
+            logs = "\n".join((config.run_dir / f"rank{r}.log").read_text() for r in range(nproc))
+            raise RuntimeError(f"flodl run did not complete: {summary['message']}\n{logs}")
+    ranks = summary["ranks"]
+    reports = [r["final_metrics"] for r in ranks]
+    samples = sum(int(r["samples"]) for r in reports)
+    wall = window(reports)
+    fast = [r for r in ranks if r["rank"] != task.slow_rank]
+    steady = [
+        (r["idle_s"] - r["final_metrics"]["startup_wait_s"])
+        / (r["wall_s"] - r["final_metrics"]["startup_wait_s"])
+        for r in fast
+    ]
+    return {
+        "samples": samples,
+        "window_s": round(wall, 3),
+        "samples_per_s": round(samples / wall, 1),
+        "test_accuracy": statistics.mean(r["test_accuracy"] for r in reports),
+        "fast_rank_idle_share": round(max(r["idle_share"] for r in fast), 4),
+        "fast_rank_idle_share_after_first_batch": round(max(steady), 4),
+        "rounds": summary["rounds"],
+        "final_anchor": summary["anchor"],
+        "final_batch_counts": summary["batch_counts"],
+        "per_rank": [
+            {
+                "rank": r["rank"],
+                "batches": r["batches"],
+                "syncs": r["syncs"],
+                "idle_s": round(r["idle_s"], 3),
+                "wall_s": round(r["wall_s"], 3),
+                "idle_share": round(r["idle_share"], 4),
+                "startup_wait_s": round(r["final_metrics"]["startup_wait_s"], 3),
+            }
+            for r in ranks
+        ],
+    }
+
+
+def run_ddp_side(task: TaskConfig, nproc: int) -> dict[str, Any]:
+    """One DDP run of the task; throughput, all-reduce wait shares and accuracy."""
+    reports = run_ddp(task, nproc)
+    samples = sum(int(r["samples"]) for r in reports)
+    wall = window(reports)
+    fast = [r for r in reports if r["rank"] != task.slow_rank]
+    return {
+        "samples": samples,
+        "window_s": round(wall, 3),
+        "samples_per_s": round(samples / wall, 1),
+        "test_accuracy": reports[0]["test_accuracy"],
+        "fast_rank_allreduce_wait_share": round(
+            max(r["comm_s"] / (r["loop_end_unix"] - r["first_batch_unix"]) for r in fast), 4
+        ),
+    }
+
+
+def throughput(
+    task: TaskConfig, nproc: int, coordinator: CoordinatorConfig, repeats: int
+) -> dict[str, Any]:
+    """``repeats`` pairs of runs, DDP and flodl alternating first; medians over the pairs."""
+    runs: list[dict[str, Any]] = []
+    for repeat in range(repeats):
+        pair: dict[str, Any] = {"load_before": load()}
+        order = ("ddp", "flodl") if repeat % 2 == 0 else ("flodl", "ddp")
+        for side in order:
+            started = time.perf_counter()
+            if side == "ddp":
+                pair["ddp"] = run_ddp_side(task, nproc)
+            else:
+                pair["flodl"] = run_flodl(task, nproc, coordinator)
+            pair[side]["process_wall_s"] = round(time.perf_counter() - started, 1)
+        pair["load_after"] = load()
+        pair["speedup"] = round(pair["flodl"]["samples_per_s"] / pair["ddp"]["samples_per_s"], 3)
+        runs.append(pair)
+        print(
+            f"  pair {repeat}: flodl {pair['flodl']['samples_per_s']:.0f} samples/s, "
+            f"DDP {pair['ddp']['samples_per_s']:.0f} samples/s, speedup {pair['speedup']:.2f}x, "
+            f"fast-rank idle {100 * pair['flodl']['fast_rank_idle_share']:.1f}%",
+            flush=True,
+        )
+
+    def median(side: str, key: str) -> float:
+        return float(statistics.median(r[side][key] for r in runs))
+
+    flodl_acc, ddp_acc = median("flodl", "test_accuracy"), median("ddp", "test_accuracy")
+    return {
+        "speedup_vs_ddp": round(statistics.median(r["speedup"] for r in runs), 3),
+        "fast_rank_idle_share": round(median("flodl", "fast_rank_idle_share"), 4),
+        "fast_rank_idle_share_after_first_batch": round(
+            median("flodl", "fast_rank_idle_share_after_first_batch"), 4
+        ),
+        "flodl_samples_per_s": median("flodl", "samples_per_s"),
+        "ddp_samples_per_s": median("ddp", "samples_per_s"),
+        "flodl_test_accuracy": round(flodl_acc, 4),
+        "ddp_test_accuracy": round(ddp_acc, 4),
+        "accuracy_gap_points": round(100 * (ddp_acc - flodl_acc), 2),
+        "ddp_fast_rank_allreduce_wait_share": round(
+            median("ddp", "fast_rank_allreduce_wait_share"), 4
+        ),
+        "runs": runs,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="flodl training benchmark")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny smoke run (figures mean nothing)"
+    )
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--repeats", type=int, default=1, help="throughput run pairs")
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--anchor", type=int, default=10, help="flodl ElChe initial anchor")
+    parser.add_argument("--overhead-target", type=float, default=0.05, help="flodl ElChe")
+    parser.add_argument("--rounds", type=int, default=12, help="averaging repetitions")
+    args = parser.parse_args(argv)
+
+    if args.quick:
+        nproc, slow_rank, repeats = 2, 1, 1
+        task = TaskConfig(hidden=64, batch_size=32, epochs=1, slow_rank=1)
+        overhead_model = {"width": 256, "layers": 2, "reps": 3, "warmup": 1}
+    else:
+        nproc, slow_rank, repeats = 4, 3, args.repeats
+        task = TaskConfig(
+            hidden=args.hidden, batch_size=args.batch_size, epochs=args.epochs, slow_rank=3
+        )
+        overhead_model = {"width": 1024, "layers": 10, "reps": args.rounds, "warmup": 2}
+    coordinator = CoordinatorConfig(
+        policy=Policy.CADENCE, anchor=args.anchor, overhead_target=args.overhead_target
+    )
+    started = time.perf_counter()
+
+    print("(a) averaging overhead, 2 ranks", flush=True)
+    load_before = load()
+    overhead = run_overhead(world=2, **overhead_model)
+    overhead["load_before"], overhead["load_after"] = load_before, load()
+    print(
+        f"  flodl round {overhead['flodl_round_ms']:.1f} ms vs bare all_reduce "
+        f"{overhead['bare_allreduce_ms']:.1f} ms: {overhead['overhead_ratio']:.2f}x "
+        f"(target <= {OVERHEAD_TARGET}); stages (ms) {overhead['stages_ms']}",
+        flush=True,
+    )
+
+    print(
+        f"(b) heterogeneous throughput, {nproc} ranks, rank {slow_rank} {task.slow_factor}x slower",
+        flush=True,
+    )
+    hetero = throughput(task, nproc, coordinator, repeats)
+
+    result: dict[str, Any] = {
+        "overhead_ratio": overhead["overhead_ratio"],
+        "speedup_vs_ddp": hetero["speedup_vs_ddp"],
+        "fast_rank_idle_share": hetero["fast_rank_idle_share"],
+        "accuracy_gap_points": hetero["accuracy_gap_points"],
+        "targets": {
+            "overhead_ratio_max": OVERHEAD_TARGET,
+            "overhead_ok": overhead["overhead_ratio"] <= OVERHEAD_TARGET,
+            "speedup_vs_ddp_min": SPEEDUP_TARGET,
+            "speedup_ok": hetero["speedup_vs_ddp"] >= SPEEDUP_TARGET,
+            "fast_rank_idle_share_max": IDLE_TARGET,
+            "idle_ok": hetero["fast_rank_idle_share"] < IDLE_TARGET,
+            "accuracy_gap_points_max": ACCURACY_GAP_TARGET,
+            "accuracy_ok": hetero["accuracy_gap_points"] <= ACCURACY_GAP_TARGET,
+        },
+        "quick": args.quick,
+        "averaging_overhead": overhead,
+        "heterogeneous_throughput": hetero,
+        "settings": {
+            "processes": nproc,
+            "backend": "gloo",
+            "torch_threads_per_rank": 1,
+            "task": {
+                "data": "scikit-learn digits, 80/20 split (1438 train / 359 test)",
+                "model": f"MLP 64-{task.hidden}-{task.hidden}-10, Adam lr {task.lr}",
+                "batch_size_per_rank": task.batch_size,
+                "epochs": task.epochs,
+                "slow_rank": task.slow_rank,
+                "slow_factor": task.slow_factor,
+            },
+            "flodl": {
+                "policy": "cadence",
+                "anchor": coordinator.anchor,
+                "max_anchor": coordinator.max_anchor,
+                "overhead_target": coordinator.overhead_target,
+                "guard": coordinator.guard.value,
+            },
+            "ddp": "DistributedDataParallel(gloo), default all-reduce hook (timed), "
+            "DistributedSampler-style slices of each global batch",
+        },
+        "total_bench_s": round(time.perf_counter() - started, 1),
+        "environment": environment(),
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"speedup {hetero['speedup_vs_ddp']:.2f}x (target >= {SPEEDUP_TARGET}), fast-rank idle "
+        f"{100 * hetero['fast_rank_idle_share']:.1f}% (target < {100 * IDLE_TARGET:g}%), accuracy "
+        f"flodl {hetero['flodl_test_accuracy']:.4f} / DDP {hetero['ddp_test_accuracy']:.4f}"
+    )
+    print(f"load average {load()} on {os.cpu_count()} cpus; wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
