@@ -198,7 +198,12 @@ class Rank:
     def report_final(self, **metrics: float) -> None:
         """Record final metrics (e.g. ``test_accuracy=0.97``) for the run summary."""
         worker = self.worker
-        trio.from_thread.run_sync(lambda: worker.report_final(**metrics), trio_token=self._token)
+        try:
+            trio.from_thread.run_sync(
+                lambda: worker.report_final(**metrics), trio_token=self._token
+            )
+        except trio.RunFinishedError:
+            raise CoordinatorError("the rank's trio thread has stopped") from None
 
 
 def join(

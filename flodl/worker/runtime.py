@@ -343,8 +343,8 @@ class Worker:
                     if self._chunk is not None and self._chunk.epoch != batch.epoch:
                         await self._close_chunk()  # tallies are per epoch
                     return self._hand_out(batch)
-                if self._chunk is not None:
-                    await self._close_chunk()
+            if queue.empty and self._chunk is not None:
+                await self._close_chunk()  # at the barrier: the completion frame
             await changed.wait()
 
     def _hand_out(self, batch: BatchSlice) -> Assignment:
