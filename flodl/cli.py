@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     run.add_argument("--run-dir", type=Path, default=Path("runs/latest"))
     run.add_argument("--resume", type=Path, default=None, metavar="PATH")
+    run.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        help="start a failed rank again up to this many times; it rejoins the running group",
+    )
     _add_coordinator_options(run)
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -90,6 +96,7 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed,
         coordinator=_coordinator_config(args),
         resume=args.resume,
+        restarts=args.restarts,
     )
     summary = trio.run(launch, config)
     print_summary(summary)

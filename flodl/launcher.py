@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ class LaunchConfig:
     """Seconds ranks get to exit on their own after the run ended, before they are killed."""
     echo: bool = True
     """Relay the ranks' output to this process's stdout."""
+    restarts: int = 0
+    """How many times a rank whose process failed is started again (it rejoins the group)."""
 
     def __attrs_post_init__(self) -> None:
         if self.nproc < 1:
@@ -76,6 +78,9 @@ class RankProcess:
     started_unix: float
     exit_code: int | None = None
     exited_unix: float | None = None
+    exits: list[tuple[int, float]] = attrs.field(factory=list)
+    """Every exit of this rank's processes: (code, unix time); more than one after restarts."""
+    restarts: int = 0
 
 
 def write_session_key(run_dir: Path, key: bytes) -> Path:
@@ -135,16 +140,34 @@ async def _relay_output(rank: int, stream: trio.abc.ReceiveStream, echo: bool, l
             print(f"[rank {rank}] {pending.decode(errors='replace')}", flush=True)
 
 
-async def _supervise(spawned: RankProcess, coordinator: Coordinator, echo: bool, log: Path) -> None:
-    """Relay output until the process exits; then tell the coordinator how it ended."""
-    process = spawned.process
-    async with trio.open_nursery() as nursery:
-        if process.stdout is not None:
-            nursery.start_soon(_relay_output, spawned.rank, process.stdout, echo, log)
-        code = await process.wait()
-    spawned.exit_code = code
-    spawned.exited_unix = time.time()
-    coordinator.report_exit(spawned.rank, code)
+async def _supervise(
+    spawned: RankProcess,
+    coordinator: Coordinator,
+    config: LaunchConfig,
+    restart: Callable[[int], Awaitable[trio.Process]],
+) -> None:
+    """Relay output until the process exits; tell the coordinator; restart a failed rank.
+
+    A rank whose process fails while the run goes on is started again (up to
+    ``config.restarts`` times); the new process rejoins the group at the next round.
+    """
+    log = config.run_dir / f"rank{spawned.rank}.log"
+    for _life in range(config.restarts + 1):
+        process = spawned.process
+        async with trio.open_nursery() as nursery:
+            if process.stdout is not None:
+                nursery.start_soon(_relay_output, spawned.rank, process.stdout, config.echo, log)
+            code = await process.wait()
+        spawned.exit_code = code
+        spawned.exited_unix = time.time()
+        spawned.exits.append((code, spawned.exited_unix))
+        coordinator.report_exit(spawned.rank, code)
+        finished = coordinator.machine.finished
+        if code == 0 or finished or spawned.restarts >= config.restarts:
+            return
+        spawned.restarts += 1
+        spawned.process = await restart(spawned.rank)
+        spawned.exit_code = None
 
 
 async def _watch_signals(coordinator: Coordinator, spawned: Sequence[RankProcess]) -> None:
@@ -202,21 +225,23 @@ async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str,
         master_port = int(coordinator.url.rsplit(":", 1)[-1]) if "tcp" in url else 0
         try:
             async with trio.open_nursery() as nursery:
-                for rank in range(config.nproc):
+
+                async def start_rank(rank: int) -> trio.Process:
                     env = rank_environment(config, rank, coordinator.url, key_file, master_port)
                     if plan is not None:
                         env["FLODL_RESUME"] = str(plan.bundle.resolve())
-                    process = await trio.lowlevel.open_process(
+                    return await trio.lowlevel.open_process(
                         [config.python, config.script, *config.script_args],
                         env=env,
                         stdin=subprocess.DEVNULL,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT,
                     )
-                    item = RankProcess(rank, process, time.time())
+
+                for rank in range(config.nproc):
+                    item = RankProcess(rank, await start_rank(rank), time.time())
                     spawned.append(item)
-                    log = run_dir / f"rank{rank}.log"
-                    nursery.start_soon(_supervise, item, coordinator, config.echo, log)
+                    nursery.start_soon(_supervise, item, coordinator, config, start_rank)
                 nursery.start_soon(_watch_signals, coordinator, spawned)
                 await coordinator.wait_finished()
                 with trio.move_on_after(config.exit_grace):
@@ -263,6 +288,7 @@ def build_summary(
                 "rank": item.rank,
                 "pid": item.process.pid,
                 "exit_code": item.exit_code,
+                "restarts": item.restarts,
                 "steps": report.get("steps"),
                 "batches": report.get("batches", stats.batches),
                 "syncs": report.get("syncs", stats.syncs),
@@ -283,7 +309,10 @@ def build_summary(
         detected = unix(event.time)
         after = [t for t in syncs_end if t >= event.time]
         recovered = unix(after[0]) if after else None
-        exited = by_rank[rank].exited_unix if rank in by_rank else None
+        exits = by_rank[rank].exits if rank in by_rank else []
+        # The exit that caused this death: the last one seen before it was declared.
+        before = [t for _, t in exits if t <= detected + 1.0]
+        exited = max(before) if before else None
         origin = min(exited, detected) if exited is not None else detected
         deaths.append(
             {
