@@ -98,6 +98,8 @@ class RankRecord:
     """(epoch, position in the epoch order) of every sample trained."""
     ended_by: Message | None = None
     abandoned: int = 0
+    beats: list[float] = attrs.field(factory=list)
+    """Trio times at which a CoordHeartbeat arrived."""
 
     def count(self, kind: type[Message]) -> int:
         return sum(1 for m in self.received if isinstance(m, kind))
@@ -224,6 +226,8 @@ class ScriptedRank:
         try:
             async for message in channel:
                 self.record.received.append(message)
+                if isinstance(message, CoordHeartbeat):
+                    self.record.beats.append(trio.current_time())
                 if isinstance(message, DeclareDead) and self._abandon is not None:
                     self._abandon.cancel()
                 if isinstance(message, Shutdown | ShutdownWithSave):
