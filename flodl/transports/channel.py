@@ -177,19 +177,18 @@ class Channel:
         self._receiving = True
         try:
             if self._ready:
-                batch = list(self._ready)
+                held = list(self._ready)
                 self._ready.clear()
-                return batch
+                return held
             pending_error = self._pending_error
             if pending_error is not None:
                 self._pending_error = None  # from now on the poisoned decoder answers
                 raise pending_error
             decoder = self._decoder
+            batch: list[Message] = []
             while True:
-                batch = []
                 try:
-                    while (message := decoder.next_message()) is not None:
-                        batch.append(message)
+                    decoder.read_into(batch)
                 except Exception as err:
                     if not batch:
                         raise

@@ -297,12 +297,25 @@ class _Pipe:
                 await self._park_held()
                 blocked = True
                 continue
-            if self.chunks:
-                deliver_at, item = self.chunks[0]
+            chunks = self.chunks
+            if chunks:
+                deliver_at, item = chunks[0]
                 if deliver_at is _AT_ONCE or deliver_at <= trio.current_time():
                     if item is _Marker.RESET:
                         raise trio.BrokenResourceError("the memory connection was cut")
-                    data = b"" if item is _Marker.EOF else self._take(max_bytes)
+                    if item is _Marker.EOF:
+                        data = b""
+                    elif (
+                        len(chunks) == 1
+                        and type(item) is bytes
+                        and (max_bytes is None or len(item) <= max_bytes)
+                    ):  # the usual case: one whole chunk waiting, handed over as it is
+                        chunks.popleft()
+                        self.buffered -= len(item)
+                        self.writable.wake()
+                        data = item
+                    else:
+                        data = self._take(max_bytes)
                     if not blocked:
                         await trio.lowlevel.cancel_shielded_checkpoint()
                     return data

@@ -221,6 +221,22 @@ class FrameDecoder:
             self._error = err
             raise
 
+    def read_into(self, out: list[Message]) -> None:
+        """Append every message complete in the bytes fed so far to ``out``, in order.
+
+        On a wire error the messages before the bad frame stay appended, the error is raised
+        and the decoder is poisoned (as :meth:`next_message`).
+        """
+        if self._error is not None:
+            self._check_usable()
+        next_message = self._next
+        try:
+            while (message := next_message()) is not None:
+                out.append(message)
+        except Exception as err:
+            self._error = err
+            raise
+
     def __iter__(self) -> Iterator[Message]:
         """Every message that is complete in the bytes fed so far."""
         while (message := self.next_message()) is not None:

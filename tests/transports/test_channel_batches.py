@@ -7,10 +7,16 @@ import pytest
 import trio
 import trio.testing
 
-from flodl.errors import AuthenticationError, BrokenChannel, ChannelClosed, FrameTooLarge
+from flodl.errors import (
+    AuthenticationError,
+    BrokenChannel,
+    ChannelClosed,
+    FrameTooLarge,
+    SequenceError,
+)
 from flodl.transports.channel import Channel
 from flodl.transports.memory_stream import memory_stream_pair
-from flodl.wire.codec import FrameEncoder, encode_message
+from flodl.wire.codec import FrameDecoder, FrameEncoder, encode_message
 from flodl.wire.messages import (
     TO_COORDINATOR_TAGS,
     TO_RANK_TAGS,
@@ -137,3 +143,21 @@ async def test_cancelled_receive_batch_loses_no_bytes() -> None:
         await coord.receive_batch()
     await rank_end.send_all(frame[30:])
     assert await coord.receive_batch() == [Heartbeat(rank=2, step_count=9)]
+
+
+async def test_decoder_read_into_keeps_the_good_messages_ahead_of_an_error() -> None:
+    encoder = FrameEncoder(UP)
+    good = [Heartbeat(rank=3, step_count=i) for i in range(3)]
+    data = b"".join(encoder.encode(m) for m in good)
+    replayed = FrameEncoder(UP, first_seq=1).encode(Heartbeat(rank=3, step_count=9))
+    decoder = FrameDecoder(UP, allowed_tags=TO_COORDINATOR_TAGS)
+    out: list[Message] = []
+    decoder.feed(data[:-5])  # the third frame is still incomplete
+    decoder.read_into(out)
+    assert out == good[:2]
+    decoder.feed(data[-5:] + replayed)
+    with pytest.raises(SequenceError):
+        decoder.read_into(out)
+    assert out == good
+    with pytest.raises(BrokenChannel):
+        decoder.read_into(out)
