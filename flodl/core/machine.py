@@ -37,13 +37,13 @@ from flodl.core.liveness import Liveness, LossCause, RankLost, unrecoverable_rea
 from flodl.core.partitions import ChunkPool
 from flodl.core.rendezvous import Rendezvous
 from flodl.core.timeline import EventKind, Timeline
+from flodl.core.workload import Workload, span_batches
 from flodl.wire.messages import (
     Batch,
     CheckpointResult,
     DeclareDead,
     EpochAggregated,
     Exiting,
-    ExtendPartition,
     Heartbeat,
     Intent,
     IntentKind,
@@ -56,7 +56,6 @@ from flodl.wire.messages import (
     SaveReason,
     Shutdown,
     ShutdownWithSave,
-    StartEpoch,
     SyncAck,
 )
 from flodl.wire.messages import Checkpoint as CheckpointRequest
@@ -200,12 +199,14 @@ class CoordinatorMachine:
         self.guard: Guard = make_guard(config.guard.value, config.trend_threshold)
         self.elche = self._new_elche(world_size)
         self.members: tuple[int, ...] = ()
+        self._member_set: frozenset[int] = frozenset()
+        """``members`` as a set: membership tests run on every report."""
         self._elche_ranks: list[int] = []
         """Global rank of each ElChe index (survivors keep their order; joiners are appended)."""
         self._joiners: set[int] = set()
         """Ranks that reconnected after a death and wait for the next round to rejoin."""
         self._resume = resume
-        self.pool: ChunkPool | None = None
+        self.work: Workload | None = None
         self._ready: set[int] = set()
         self._plan = [0] * world_size
         self._windows = [_Window() for _ in range(world_size)]
@@ -213,7 +214,6 @@ class CoordinatorMachine:
         self._window_wait_until: float | None = None
         self._divergences: list[float] = []
         self._tallies: dict[int, _EpochTally] = {}
-        self._aggregated: set[int] = set()
         self._join_deadline: float | None = now + join_timeout
         self._shutdown_pending = False
         self._checkpoint_requests: set[int] = set()
@@ -263,23 +263,29 @@ class CoordinatorMachine:
         }
 
     def next_deadline(self) -> float:
-        """The latest time at which :meth:`on_tick` must run (``inf`` when nothing is due)."""
+        """The latest time at which :meth:`on_tick` must run (``inf`` when nothing is due).
+
+        Called after every batch of reports, so it avoids building lists.
+        """
         if self.finished:
             return math.inf
-        candidates = [
+        best = math.inf
+        for deadline in (
             self.liveness.next_deadline(),
             self.cycle.next_deadline(),
             self.rendezvous.next_deadline(),
             self._window_wait_until,
             self._join_deadline,
-        ]
-        return min((d for d in candidates if d is not None), default=math.inf)
+        ):
+            if deadline is not None and deadline < best:
+                best = deadline
+        return best
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """The coordinator's part of a checkpoint (spec §6 CheckpointMeta, schema 3)."""
         return {
             "schema_version": 3,
-            "epoch": self.pool.epoch if self.pool is not None else 0,
+            "epoch": self.work.current_epoch if self.work is not None else 0,
             "global_step": self.cycle.global_step,
             "sync_round": self.cycle.round,
             "world_size_at_save": len(self.members) or self.world_size,
@@ -408,7 +414,7 @@ class CoordinatorMachine:
         job = Job(ready.dataset_size, ready.batch_size, ready.epochs)
         if job != self.job:
             return [Disconnect(rank, f"rank {rank} describes job {job}, the run is {self.job}")]
-        if rank in self.members:
+        if rank in self._member_set:
             return [Disconnect(rank, f"rank {rank} is already a member of the group")]
         self._joiners.add(rank)
         self.timeline.add(now, EventKind.RANK_JOINED, rank=rank, rejoin=True)
@@ -418,7 +424,7 @@ class CoordinatorMachine:
         """Ranks that may be in the next group: alive and (once training) already members."""
         if self.phase is Phase.FORMING:
             return self.alive
-        return self.alive & (frozenset(self.members) | self._joiners)
+        return self.alive & (self._member_set | self._joiners)
 
     def _on_group_ready(self, reply: NewGroupReady, now: float) -> list[Effect]:
         return self._after_rendezvous(self.rendezvous.on_ready(now, reply, self._eligible()), now)
@@ -448,13 +454,14 @@ class CoordinatorMachine:
         effects: list[Effect] = []
         if self.phase is Phase.FORMING:
             self.members = new_members
+            self._member_set = frozenset(new_members)
             for rank in set(range(self.world_size)) - set(new_members):
                 self.cycle.drop_rank(now, rank)
             self._elche_ranks = list(new_members)
             self.elche = self._initial_elche(len(new_members))
             self.phase = Phase.TRAINING
             first_epoch = 0 if self._resume is None else self._resume.epoch
-            effects += self._begin_epoch(first_epoch, now)
+            effects += self._begin_training(first_epoch)
             return effects
         old_index = {rank: i for i, rank in enumerate(self._elche_ranks)}
         kept = [rank for rank in self._elche_ranks if rank in new_members]
@@ -465,10 +472,11 @@ class CoordinatorMachine:
                 self.elche.add_rank()
                 self._elche_ranks.append(rank)
                 self.cycle.add_rank(rank)
-                if self.pool is not None:
-                    self.pool.readmit(rank)
+                if self.work is not None:
+                    self.work.readmit(rank)
         self._joiners -= set(new_members)
         self.members = new_members
+        self._member_set = frozenset(new_members)
         self.phase = Phase.TRAINING
         self.timeline.add(
             now, EventKind.GROUP_REFORMED, generation=generation, members=list(new_members)
@@ -483,21 +491,22 @@ class CoordinatorMachine:
 
     # --- training ---------------------------------------------------------------------------
 
-    def _begin_epoch(self, epoch: int, now: float) -> list[Effect]:
+    def _begin_training(self, first_epoch: int) -> list[Effect]:
         assert self.job is not None
-        self.pool = ChunkPool(epoch, self.job.dataset_size, self.job.batch_size)
-        self._tallies.setdefault(epoch, _EpochTally())
+        self.work = Workload(
+            self.job.dataset_size, self.job.batch_size, self.job.epochs, first_epoch=first_epoch
+        )
         return self._dispatch_window()
 
     def _dispatch_window(self) -> list[Effect]:
-        assert self.pool is not None
+        assert self.work is not None
         if self._progressive:
-            self.elche.set_max_total_batches(max(self.pool.remaining_batches, 1))
-        plan = self.counts()
+            # The window cap of floDl: one window never holds more than an epoch's batches.
+            self.elche.set_max_total_batches(max(self.work.epoch_batches, 1))
         self._plan = [0] * self.world_size
         effects: list[Effect] = []
-        for rank, message in self.pool.dispatch_window(plan):
-            self._plan[rank] = _batches(message, self.pool)
+        for rank, message in self.work.dispatch_window(self.counts()):
+            self._plan[rank] += span_batches(message, self.work.batch_size)
             effects.append(Send(rank, message))
         return effects
 
@@ -505,7 +514,7 @@ class CoordinatorMachine:
         stats = self.stats[rank]
         stats.batches += 1
         stats.last_loss = batch.batch_loss
-        if rank not in self.members or self.pool is None:
+        if rank not in self._member_set or self.work is None:
             return []
         window = self._windows[rank]
         wall = batch.batch_ms + batch.data_ms
@@ -514,12 +523,12 @@ class CoordinatorMachine:
         else:
             window.compute_ms += batch.batch_ms
         window.batches += 1
-        tally = self._tallies.setdefault(self.pool.epoch, _EpochTally())
-        tally.loss_sum += batch.batch_loss if math.isfinite(batch.batch_loss) else 0.0
-        tally.batches += 1
-        if self.pool.ledger.in_flight(rank) > 0:
-            self.pool.complete(rank)
-            if self.pool.ledger.in_flight(rank) == 0:
+        epoch = self.work.complete(rank)
+        if epoch is not None:
+            tally = self._tallies.setdefault(epoch, _EpochTally())
+            tally.loss_sum += batch.batch_loss if math.isfinite(batch.batch_loss) else 0.0
+            tally.batches += 1
+            if self.work.in_flight(rank) == 0:
                 self._awaiting_completion.add(rank)
         settled = self.cycle.on_batch(now, batch)
         effects: list[Effect] = []
@@ -530,7 +539,7 @@ class CoordinatorMachine:
         return effects
 
     def _on_metrics(self, rank: int, metrics: Metrics, now: float) -> list[Effect]:
-        if rank not in self.members:
+        if rank not in self._member_set:
             return []
         window = self._windows[rank]
         window.delivered_ms += metrics.epoch_ms
@@ -562,20 +571,18 @@ class CoordinatorMachine:
     def _movers_awaited(self) -> bool:
         if not self._awaiting_completion:  # the usual case: skip building O(world) sets
             return False
-        return bool(self._awaiting_completion & self.alive & frozenset(self.members))
+        return bool(self._awaiting_completion & self.alive & self._member_set)
 
     def _quiesced(self) -> frozenset[int]:
-        """Members the trigger exempts (:meth:`ChunkPool.is_quiesced`): none before the pool
-        drains, which is checked first so that mid-epoch reports skip the per-rank scan."""
-        pool = self.pool
-        if pool is None or not pool.drained:
+        """Members the trigger exempts: nothing in flight once no work is left anywhere."""
+        if self.work is None:
             return frozenset()
-        return frozenset(r for r in self.members if pool.is_quiesced(r))
+        return self.work.quiesced(self.members)
 
     def _maybe_trigger(self, now: float) -> list[Effect]:
         if (
             self.phase is not Phase.TRAINING
-            or self.pool is None
+            or self.work is None
             or self.rendezvous.pending
             or self._window_wait_until is not None
             or not self.cycle.settled
@@ -583,7 +590,7 @@ class CoordinatorMachine:
             return []
         if not self.cycle.ready(self._plan, self._quiesced()):
             if self._all_work_done() and self.cycle.settled:
-                return self._finish_or_next_epoch(now)
+                return self._maybe_aggregate(now) + self._shutdown(now, "all epochs done")
             return []
         joiners = self._joiners & self.alive
         if joiners:
@@ -600,7 +607,7 @@ class CoordinatorMachine:
         return self._start_round(now, delivered=self._progressive)
 
     def _all_work_done(self) -> bool:
-        return self.pool is not None and self.pool.done() and not any(self.cycle.steps)
+        return self.work is not None and self.work.done and not any(self.cycle.steps)
 
     def _start_round(self, now: float, *, delivered: bool) -> list[Effect]:
         self._window_wait_until = None
@@ -611,8 +618,8 @@ class CoordinatorMachine:
         self._feed_elche(started.steps, delivered, now)
         self._windows = [_Window() for _ in range(self.world_size)]
         self._awaiting_completion.clear()
-        assert self.pool is not None
-        if self.pool.drained:
+        assert self.work is not None
+        if self.work.exhausted:
             return effects
         return effects + self._dispatch_window()
 
@@ -652,7 +659,7 @@ class CoordinatorMachine:
             self.recoveries.append({"rank": rank, "detected_at": died_at, "recovered_at": now})
         self._deaths_pending_recovery = []
         effects: list[Effect] = []
-        for rank in sorted(self._checkpoint_requests & frozenset(self.members)):
+        for rank in sorted(self._checkpoint_requests & self._member_set):
             self._checkpoint_version += 1
             effects.append(
                 Send(rank, CheckpointRequest(version=self._checkpoint_version, target_rank=rank))
@@ -662,37 +669,33 @@ class CoordinatorMachine:
             return effects + self._shutdown(now, "stop requested")
         return effects + self._maybe_aggregate(now)
 
-    def _finish_or_next_epoch(self, now: float) -> list[Effect]:
-        assert self.pool is not None and self.job is not None
-        effects = self._maybe_aggregate(now)
-        if self.finished:
-            return effects
-        next_epoch = self.pool.epoch + 1
-        if next_epoch < self.job.epochs:
-            return effects + self._begin_epoch(next_epoch, now)
-        return effects + self._shutdown(now, "all epochs done")
-
     def _maybe_aggregate(self, now: float) -> list[Effect]:
-        pool = self.pool
-        if pool is None or pool.epoch in self._aggregated or not pool.done():
+        """EpochAggregated for every epoch whose batches are all done (and reported)."""
+        if self.work is None or self._movers_awaited():
             return []
-        if self._movers_awaited():
-            return []
+        effects: list[Effect] = []
+        for pool in self.work.pop_finished():
+            effects += self._aggregate(pool, now)
+        return effects
+
+    def _aggregate(self, pool: ChunkPool, now: float) -> list[Effect]:
         epoch = pool.epoch
-        self._aggregated.add(epoch)
-        tally = self._tallies.get(epoch, _EpochTally())
+        ledger = pool.ledger
+        tally = self._tallies.pop(epoch, _EpochTally())
         avg_loss = tally.loss_sum / tally.batches if tally.batches else math.nan
         epoch_ms = max(tally.wall_ms.values(), default=0.0)
+        samples = sum(ledger.completed(rank) for rank in range(self.world_size))
+        samples *= ledger.batch_size
         throughput = []
         for rank in self.members:
-            done = pool.ledger.completed(rank) * pool.ledger.batch_size
             wall = tally.wall_ms.get(rank, 0.0)
+            done = ledger.completed(rank) * ledger.batch_size
             throughput.append(done / (wall / 1000.0) if wall > 0 else 0.0)
         scalars = {k: sum(v) / len(v) for k, v in tally.scalars.items() if v}
         result = {
             "epoch": epoch,
             "avg_loss": avg_loss,
-            "samples": tally.samples,
+            "samples": samples,
             "epoch_ms": epoch_ms,
             **scalars,
         }
@@ -701,7 +704,7 @@ class CoordinatorMachine:
         message = EpochAggregated(
             epoch=epoch,
             avg_loss=avg_loss,
-            samples=tally.samples,
+            samples=samples,
             epoch_ms=epoch_ms,
             rank_throughput=tuple(throughput),
             scalars=tuple(sorted(scalars.items())),
@@ -725,7 +728,7 @@ class CoordinatorMachine:
         if self.phase is Phase.JOINING:
             return effects
         self._joiners -= {loss.rank for loss in losses}
-        lost = [loss.rank for loss in losses if loss.rank in self.members]
+        lost = [loss.rank for loss in losses if loss.rank in self._member_set]
         survivors = tuple(r for r in self.members if self.liveness.is_alive(r))
         if self.phase is Phase.FORMING:
             if unrecoverable := self._unrecoverable():
@@ -736,9 +739,9 @@ class CoordinatorMachine:
             self.cycle.drop_rank(now, rank)
             if loss_is_failure(losses, rank):
                 self._deaths_pending_recovery.append((rank, now))
-            if self.pool is not None and survivors:
-                for target, extension in self.pool.reassign(rank, survivors):
-                    self._plan[target] += _batches(extension, self.pool)
+            if self.work is not None and survivors:
+                for target, extension in self.work.reassign(rank, survivors):
+                    self._plan[target] += span_batches(extension, self.work.batch_size)
                     effects.append(Send(target, extension))
             self._awaiting_completion.discard(rank)
         if unrecoverable := self._unrecoverable():
@@ -790,12 +793,6 @@ class CoordinatorMachine:
         self.outcome = Outcome(Status.FAILED, None, why)
         self.timeline.add(now, EventKind.SHUTDOWN, why=why)
         return [Broadcast(Shutdown())]
-
-
-def _batches(message: StartEpoch | ExtendPartition, pool: ChunkPool) -> int:
-    size = message.partition_size if isinstance(message, StartEpoch) else message.size
-    batch = pool.ledger.batch_size
-    return -(-size // batch)
 
 
 def loss_is_failure(losses: Sequence[RankLost], rank: int) -> bool:
