@@ -49,6 +49,7 @@ stretch latencies (not the CPU figures); each row records the load average after
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import heapq
@@ -59,15 +60,18 @@ import os
 import platform
 import pstats
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 import trio.lowlevel
 
@@ -113,15 +117,29 @@ WARMUP_LIMIT_S = 120.0
 DEFAULT_COUNTS = (64, 128, 256, 512, 1024, 1536, 2048)
 QUICK_COUNTS = (16, 64)
 
-LATENCY_DEFINITION = (
+INPROCESS_LATENCY = (
     "message latency: trio time just before a simulated rank hands a message to its Channel, "
     "to the trio time the coordinator passes as `now` to CoordinatorMachine.on_message for it "
     "(matched per rank in FIFO order; includes the rank's own send queue, the memory stream, "
-    "framing, HMAC and decoding, and every wait for the one shared core). timer lateness: wake "
-    "time minus deadline of a probe task that sleeps in a cancel scope 50 ms ahead, as the "
-    "coordinator's deadline loop does, plus the deadline loop's own wakes (on_tick time minus "
-    "its cancel scope's deadline). Quantiles are nearest-rank over the measured window. The "
-    "target is met when p99 of both is below 50 ms and ranks deliver >= 90% of 10 Batch/s."
+    "framing, HMAC and decoding, and every wait for the one shared core)."
+)
+SPLIT_LATENCY = (
+    "message latency: CLOCK_MONOTONIC (time.perf_counter) in the generator process just before "
+    "a simulated rank hands a message to its Channel, carried in the message itself (Batch."
+    "batch_loss, Heartbeat.step_count in us, Metrics.avg_loss, SyncAck.pre_norm), to the `now` "
+    "the coordinator passes to CoordinatorMachine.on_message for it, converted to "
+    "CLOCK_MONOTONIC (trio's clock is perf_counter plus a fixed offset). Includes the rank's "
+    "send queue, the socket, framing, HMAC and decoding; Ready and NewGroupReady carry no "
+    "stamp (they only occur during warm-up). The generator's own lag (metronome action start "
+    "minus its scheduled time) is reported separately."
+)
+LATENCY_DEFINITION = (
+    "message latency is send time to the `now` CoordinatorMachine.on_message receives (see each "
+    "mode's latency_definition). timer lateness: wake time minus deadline of a probe task in the "
+    "coordinator's process that sleeps in a cancel scope 50 ms ahead, as the coordinator's "
+    "deadline loop does, plus the deadline loop's own wakes (on_tick time minus its cancel "
+    "scope's deadline). Quantiles are nearest-rank over the measured window. The target is met "
+    "when p99 of both is below 50 ms and ranks deliver >= 90% of 10 Batch/s."
 )
 
 
@@ -150,8 +168,11 @@ def summarize_ms(samples: Sequence[float]) -> dict[str, float | int]:
 class Recorder:
     """Everything one run measures; recording is on only inside the measured window."""
 
-    def __init__(self, ranks: int) -> None:
+    def __init__(self, ranks: int, clock_offset: float | None = None) -> None:
         self.sent_at: list[deque[float]] = [deque() for _ in range(ranks)]
+        self.clock_offset = clock_offset
+        """Split mode: trio time minus CLOCK_MONOTONIC in this process; send times then come
+        from the stamps the messages carry (see :func:`stamp_of`), not from ``sent_at``."""
         self.measuring = False
         self.latency = array("d")
         self.latency_by_kind: dict[str, array[float]] = {}
@@ -159,6 +180,12 @@ class Recorder:
         """Messages the coordinator's machine processed in the window, by kind."""
         self.delivered = Counter[str]()
         """Messages ranks received from the coordinator in the window, by kind."""
+        self.unstamped = 0
+        """Split mode: messages processed in the window that carry no send stamp."""
+        self.sent = Counter[str]()
+        """Messages the simulated ranks sent in the window, by kind."""
+        self.rank_lag = array("d")
+        """How late the ranks' metronome ran each action (start time minus scheduled time)."""
         self.timer_lateness = array("d")
         self.deadline_lateness = array("d")
         self.machine_s = 0.0
@@ -173,6 +200,9 @@ class Recorder:
         self.sent_at[rank].append(trio.current_time())
 
     def processed(self, rank: int, message: Message, now: float) -> None:
+        if self.clock_offset is not None:
+            self._processed_stamped(message, now - self.clock_offset)
+            return
         queue = self.sent_at[rank]
         if not queue:
             self.unmatched += 1
@@ -183,6 +213,78 @@ class Recorder:
             self.received[kind] += 1
             self.latency.append(now - sent)
             self.latency_by_kind.setdefault(kind, array("d")).append(now - sent)
+
+    def _processed_stamped(self, message: Message, monotonic_now: float) -> None:
+        if not self.measuring:
+            return
+        kind = type(message).__name__
+        self.received[kind] += 1
+        sent = stamp_of(message)
+        if sent is None:
+            self.unstamped += 1
+            return
+        self.latency.append(monotonic_now - sent)
+        self.latency_by_kind.setdefault(kind, array("d")).append(monotonic_now - sent)
+
+
+# --- send stamps (split mode) -------------------------------------------------------------------
+#
+# Across processes the send time travels in the message itself, in a field the coordinator's
+# machine never acts on for these synthetic ranks: Batch.batch_loss (the machine only sums it
+# into an epoch's mean loss, and these epochs never end), Heartbeat.step_count (ignored by the
+# machine; whole microseconds), Metrics.avg_loss (unread: the epoch loss comes from the Batch
+# reports) and SyncAck.pre_norm (unread). CLOCK_MONOTONIC is one clock for every process of a
+# Linux machine, and time.perf_counter reads it too (checked in `clock_check`).
+
+
+def stamp_message(message: Message, at: float) -> Message:
+    """``message`` carrying send time ``at`` (CLOCK_MONOTONIC seconds) where it has room."""
+    if isinstance(message, Batch):
+        return attrs.evolve(message, batch_loss=at)
+    if isinstance(message, Heartbeat):
+        return attrs.evolve(message, step_count=round(at * 1e6))
+    if isinstance(message, Metrics):
+        return attrs.evolve(message, avg_loss=at)
+    if isinstance(message, SyncAck):
+        return attrs.evolve(message, pre_norm=at)
+    return message
+
+
+def stamp_of(message: Message) -> float | None:
+    """The send time :func:`stamp_message` put into ``message`` (None: a kind it leaves alone)."""
+    if isinstance(message, Batch):
+        return message.batch_loss
+    if isinstance(message, Heartbeat):
+        return message.step_count / 1e6
+    if isinstance(message, Metrics):
+        return message.avg_loss
+    if isinstance(message, SyncAck):
+        return message.pre_norm
+    return None
+
+
+def clock_check() -> dict[str, str]:
+    """How time.perf_counter and time.monotonic are implemented here (the same clock on Linux)."""
+    return {
+        name: time.get_clock_info(name).implementation for name in ("perf_counter", "monotonic")
+    }
+
+
+def trio_clock_offset() -> float:
+    """trio.current_time() minus time.perf_counter() in this run, to within half a microsecond.
+
+    trio's system clock is perf_counter plus a random offset fixed for the run.
+    """
+    best = math.inf
+    offset = 0.0
+    for _ in range(5):
+        before = time.perf_counter()
+        now = trio.current_time()
+        after = time.perf_counter()
+        if after - before < best:
+            best = after - before
+            offset = now - (before + after) / 2.0
+    return offset
 
 
 def instrument_machine(machine: CoordinatorMachine, recorder: Recorder) -> None:
@@ -302,26 +404,34 @@ class Metronome:
 
     SLOT_S = 0.002
 
-    def __init__(self) -> None:
-        self._pending: list[tuple[int, int, _Action]] = []
+    def __init__(self, recorder: Recorder) -> None:
+        self._pending: list[tuple[int, int, float, _Action]] = []
         self._order = itertools.count()
         self._fired_through = math.floor(trio.current_time() / self.SLOT_S)
+        self._recorder = recorder
 
     def at(self, when: float, action: _Action) -> None:
         """Run ``await action(now)`` in the first slot at or after ``when`` (the next slot if
         that one has already fired)."""
         slot = max(math.ceil(when / self.SLOT_S), self._fired_through + 1)
-        heapq.heappush(self._pending, (slot, next(self._order), action))
+        heapq.heappush(self._pending, (slot, next(self._order), when, action))
 
     async def run(self) -> None:
-        """Fire the slots as their time comes (late slots all at once); runs until cancelled."""
+        """Fire the slots as their time comes (late slots all at once); runs until cancelled.
+
+        While the recorder measures, each action's lag (its start time minus the time it was
+        scheduled for; up to one slot even when nothing is late) goes to ``rank_lag``.
+        """
         pending = self._pending
+        recorder = self._recorder
         while True:
             await trio.sleep_until((self._fired_through + 1) * self.SLOT_S)
             now = trio.current_time()
             self._fired_through = math.floor(now / self.SLOT_S)
             while pending and pending[0][0] <= self._fired_through:
-                _, _, action = heapq.heappop(pending)
+                _, _, when, action = heapq.heappop(pending)
+                if recorder.measuring:
+                    recorder.rank_lag.append(trio.current_time() - when)
                 await action(now)
 
 
@@ -339,8 +449,13 @@ class LeanRank:
         recorder: Recorder,
         metronome: Metronome,
         rng: random.Random,
+        *,
+        stamp: bool = False,
     ) -> None:
         self.rank = rank
+        self.stamp = stamp
+        """Split mode: messages carry their send time (:func:`stamp_message`); otherwise the
+        recorder notes it (``Recorder.sending``) for FIFO matching in the same process."""
         self.metronome = metronome
         self.world_size = world_size
         self.recorder = recorder
@@ -358,11 +473,20 @@ class LeanRank:
         self.next_tick: float | None = None
         """The grid time of the batch action registered with the metronome (None: idle)."""
 
-    async def run(self, url: str, key: bytes) -> None:
-        """Connect, then serve until Shutdown, the connection ends, or cancellation."""
-        stream = await connect(url)
+    async def run(self, url: str, key: bytes, limiter: trio.CapacityLimiter | None = None) -> None:
+        """Connect, then serve until Shutdown, the connection ends, or cancellation.
+
+        ``limiter`` bounds how many ranks connect and handshake at once (a socket listener's
+        backlog is finite).
+        """
+        async with limiter if limiter is not None else contextlib.nullcontext():
+            stream = await connect(url)
+            try:
+                channel = await connect_rank(stream, key, self.rank, self.world_size)
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
         async with stream:
-            channel = await connect_rank(stream, key, self.rank, self.world_size)
             ready = Ready(rank=self.rank, dataset_size=DATASET_SIZE, batch_size=1, epochs=1)
             await self.send(channel, ready)
             self.channel = channel
@@ -374,16 +498,27 @@ class LeanRank:
             finally:
                 self.channel = None
 
+    def _outgoing(self, messages: Sequence[Message]) -> Sequence[Message]:
+        """``messages`` as they go out now: stamped, or with their send times recorded."""
+        recorder = self.recorder
+        if recorder.measuring:
+            for message in messages:
+                recorder.sent[type(message).__name__] += 1
+        if self.stamp:
+            at = time.perf_counter()
+            return [stamp_message(message, at) for message in messages]
+        for _ in messages:
+            recorder.sending(self.rank)
+        return messages
+
     async def send(self, channel: Channel, message: Message) -> None:
-        self.recorder.sending(self.rank)
-        await channel.send(message)
+        await channel.send_many(self._outgoing((message,)))
 
     async def _send_from_metronome(self, messages: Sequence[Message]) -> None:
         channel = self.channel
         if channel is None:
             return
-        for _ in messages:
-            self.recorder.sending(self.rank)
+        messages = self._outgoing(messages)
         try:
             await channel.send_many(messages)
         except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -473,7 +608,71 @@ def _next_grid_tick(now: float, phase: float, period: float) -> float:
     return phase + (math.floor((now - phase) / period) + 1) * period
 
 
-# --- one run ------------------------------------------------------------------------------------
+# --- rows ---------------------------------------------------------------------------------------
+
+
+def _base_row(
+    ranks: int,
+    recorder: Recorder,
+    cpu: float,
+    wall: float,
+    sent: Counter[str],
+    warmup_s: float,
+    rounds: int,
+    anchor: int,
+    load_before: float,
+) -> dict[str, Any]:
+    """The figures both modes report (``sent``: what the ranks sent in the window)."""
+    received = sum(recorder.received.values())
+    latency = summarize_ms(recorder.latency)
+    timer = summarize_ms(list(recorder.timer_lateness) + list(recorder.deadline_lateness))
+    batch_rate = recorder.received["Batch"] / wall / ranks
+    p99_worst = max(latency["p99_ms"], timer["p99_ms"])
+    meets = (
+        received > 0
+        and p99_worst < TARGET_P99_S * 1000.0
+        and batch_rate >= MIN_BATCH_RATE_SHARE / BATCH_PERIOD_S
+    )
+    return {
+        "ranks": ranks,
+        "seconds": round(wall, 3),
+        "warmup_s": round(warmup_s, 3),
+        "nominal_messages_per_s": round(ranks * (1 / BATCH_PERIOD_S + 1 / HEARTBEAT_PERIOD_S)),
+        "offered_messages_per_s": round(sum(sent.values()) / wall, 1),
+        "offered_by_kind": dict(sorted(sent.items())),
+        "messages": received,
+        "messages_per_s": round(received / wall, 1),
+        "messages_by_kind": dict(sorted(recorder.received.items())),
+        "sent_to_ranks_by_kind": dict(sorted(recorder.delivered.items())),
+        "batch_per_rank_s": round(batch_rate, 3),
+        "latency": latency,
+        "latency_p99_ms_by_kind": {
+            kind: summarize_ms(values)["p99_ms"]
+            for kind, values in sorted(recorder.latency_by_kind.items())
+        },
+        "timer_lateness": timer,
+        "deadline_loop_wakes": len(recorder.deadline_lateness),
+        "rounds_started": rounds,
+        "anchor": anchor,
+        "cpu_s": round(cpu, 3),
+        "cpu_share_of_wall": round(cpu / wall, 3),
+        "cpu_us_per_message": round(cpu / received * 1e6, 2) if received else None,
+        "meets_target": meets,
+        "load_average_1m_before": round(load_before, 2),
+        "load_average_1m_after": round(os.getloadavg()[0], 2),
+    }
+
+
+def _share(part: float, whole: float) -> float:
+    return round(part / whole, 3) if whole > 0 else math.nan
+
+
+def max_ranks_meeting_target(rows: Sequence[dict[str, Any]]) -> int:
+    """The largest rank count that met the target (0 if none did)."""
+    return max((row["ranks"] for row in rows if row["meets_target"]), default=0)
+
+
+# --- in-process mode: coordinator and ranks share one trio run over memory:// -----------------
 
 _run_names = itertools.count()
 
@@ -483,6 +682,7 @@ async def measure(ranks: int, seconds: float, seed: int, split: CpuSplit) -> dic
     recorder = Recorder(ranks)
     rng = random.Random(seed)
     url = f"memory://coordinator-scale-{os.getpid()}-{next(_run_names)}"
+    load_before = os.getloadavg()[0]
     started = trio.current_time()
     with trio.CancelScope() as everything:
         async with open_coordinator(url, ranks, KEY, CoordinatorConfig(), linger=0.0) as coord:
@@ -490,7 +690,7 @@ async def measure(ranks: int, seconds: float, seed: int, split: CpuSplit) -> dic
             instrument_machine(machine, recorder)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(timer_probe, recorder)
-                metronome = Metronome()
+                metronome = Metronome(recorder)
                 nursery.start_soon(metronome.run)
                 for rank in range(ranks):
                     lean = LeanRank(rank, ranks, recorder, metronome, rng)
@@ -513,77 +713,33 @@ async def measure(ranks: int, seconds: float, seed: int, split: CpuSplit) -> dic
                 coord.request_stop(save=True)
                 everything.cancel()
     steps = {k: split_after[k] - split_before[k] for k in split.CATEGORIES}
-    return _row(ranks, seconds, recorder, cpu, wall, steps, warm_at - started, rounds, anchor)
-
-
-def _row(
-    ranks: int,
-    seconds: float,
-    recorder: Recorder,
-    cpu: float,
-    wall: float,
-    steps: dict[str, float],
-    warmup_s: float,
-    rounds: int,
-    anchor: int,
-) -> dict[str, Any]:
-    received = sum(recorder.received.values())
-    latency = summarize_ms(recorder.latency)
-    timer = summarize_ms(list(recorder.timer_lateness) + list(recorder.deadline_lateness))
-    batch_rate = recorder.received["Batch"] / wall / ranks
-    p99_worst = max(latency["p99_ms"], timer["p99_ms"])
-    meets = (
-        received > 0
-        and p99_worst < TARGET_P99_S * 1000.0
-        and batch_rate >= MIN_BATCH_RATE_SHARE / BATCH_PERIOD_S
+    row = _base_row(
+        ranks, recorder, cpu, wall, recorder.sent, warm_at - started, rounds, anchor, load_before
     )
+    received = row["messages"]
     coordinator_s = steps["coordinator"]
-    return {
-        "ranks": ranks,
-        "seconds": round(wall, 3),
-        "warmup_s": round(warmup_s, 3),
-        "messages": received,
-        "messages_per_s": round(received / wall, 1),
-        "messages_by_kind": dict(sorted(recorder.received.items())),
-        "sent_to_ranks_per_s": round(sum(recorder.delivered.values()) / wall, 1),
-        "sent_to_ranks_by_kind": dict(sorted(recorder.delivered.items())),
-        "batch_per_rank_s": round(batch_rate, 3),
-        "offered_messages_per_s": round(ranks * (1 / BATCH_PERIOD_S + 1 / HEARTBEAT_PERIOD_S)),
-        "latency": latency,
-        "latency_p99_ms_by_kind": {
-            kind: summarize_ms(values)["p99_ms"]
-            for kind, values in sorted(recorder.latency_by_kind.items())
-        },
-        "timer_lateness": timer,
-        "deadline_loop_wakes": len(recorder.deadline_lateness),
-        "late_rank_ticks": recorder.late_rank_ticks,
-        "unmatched_messages": recorder.unmatched,
-        "rounds_started": rounds,
-        "anchor": anchor,
-        "cpu_s": round(cpu, 3),
-        "cpu_share_of_wall": round(cpu / wall, 3),
-        "cpu_us_per_message": round(cpu / received * 1e6, 2) if received else None,
-        "coordinator_cpu_us_per_message": round(coordinator_s / received * 1e6, 2)
-        if received
-        else None,
-        "cpu_split_share": {
-            "coordinator": _share(coordinator_s, cpu),
-            "coordinator_machine": _share(recorder.machine_s, cpu),
-            "ranks": _share(steps["ranks"], cpu),
-            "probe": _share(steps["probe"], cpu),
-            "other_tasks": _share(steps["trio"], cpu),
-            "scheduler_and_io": _share(cpu - sum(steps.values()), cpu),
-        },
-        "meets_target": meets,
-        "load_average_1m_after": round(os.getloadavg()[0], 2),
-    }
+    row.update(
+        {
+            "unmatched_messages": recorder.unmatched,
+            "rank_lag": summarize_ms(recorder.rank_lag),
+            "late_rank_ticks": recorder.late_rank_ticks,
+            "coordinator_cpu_us_per_message": round(coordinator_s / received * 1e6, 2)
+            if received
+            else None,
+            "cpu_split_share": {
+                "coordinator": _share(coordinator_s, cpu),
+                "coordinator_machine": _share(recorder.machine_s, cpu),
+                "ranks": _share(steps["ranks"], cpu),
+                "probe": _share(steps["probe"], cpu),
+                "other_tasks": _share(steps["trio"], cpu),
+                "scheduler_and_io": _share(cpu - sum(steps.values()), cpu),
+            },
+        }
+    )
+    return row
 
 
-def _share(part: float, whole: float) -> float:
-    return round(part / whole, 3) if whole > 0 else math.nan
-
-
-def run_count(ranks: int, seconds: float, seed: int) -> dict[str, Any]:
+def run_inprocess(ranks: int, seconds: float, seed: int) -> dict[str, Any]:
     """One rank count in a fresh trio run (with the CPU-split instrument installed)."""
     split = CpuSplit()
     gc.collect()
@@ -591,13 +747,8 @@ def run_count(ranks: int, seconds: float, seed: int) -> dict[str, Any]:
     return row
 
 
-def max_ranks_meeting_target(rows: Sequence[dict[str, Any]]) -> int:
-    """The largest rank count that met the target (0 if none did)."""
-    return max((row["ranks"] for row in rows if row["meets_target"]), default=0)
-
-
 def profile(ranks: int, seconds: float, seed: int, top: int) -> None:
-    """Run one count under cProfile and print the hottest functions (by own time)."""
+    """Run one in-process count under cProfile and print the hottest functions (own time)."""
     profiler = cProfile.Profile()
     profiler.enable()
     try:
@@ -607,6 +758,306 @@ def profile(ranks: int, seconds: float, seed: int, top: int) -> None:
     stats = pstats.Stats(profiler)
     stats.sort_stats(pstats.SortKey.TIME).print_stats(top)
     stats.sort_stats(pstats.SortKey.CUMULATIVE).print_stats("flodl", top)
+
+
+# --- split mode: the coordinator alone in this process, the ranks in generator processes -------
+
+GENERATOR_FLAG = "--generator-child"
+CONNECT_AT_ONCE = 32
+"""Ranks of one generator that connect and handshake at the same time (listener backlogs are
+finite; a unix socket with a full backlog refuses rather than queues)."""
+GENERATOR_REPLY_LIMIT_S = 30.0
+GENERATOR_EXIT_GRACE_S = 10.0
+GENERATOR_LAG_LIMIT_S = 0.050
+"""A generator whose metronome runs this late at p99 is not keeping up with its schedule."""
+
+
+@attrs.frozen
+class CpuPlan:
+    """Which cores the coordinator and the generators are pinned to (None: not pinned)."""
+
+    coordinator: frozenset[int] | None
+    generators: frozenset[int] | None
+
+    def describe(self) -> str:
+        if self.coordinator is None or self.generators is None:
+            return "not pinned (os.sched_setaffinity unavailable or fewer than 2 usable cores)"
+        return (
+            f"os.sched_setaffinity: coordinator process on cores {sorted(self.coordinator)}, "
+            f"load generators on cores {sorted(self.generators)}"
+        )
+
+
+def cpu_plan() -> CpuPlan:
+    """The first usable core for the coordinator, the others for the generators."""
+    if not hasattr(os, "sched_setaffinity"):
+        return CpuPlan(None, None)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return CpuPlan(None, None)
+    return CpuPlan(frozenset(cores[:1]), frozenset(cores[1:]))
+
+
+class LineReader:
+    """Newline-ended lines from a byte stream (the bench <-> generator control pipes)."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self._stream = stream
+        self._buffer = bytearray()
+
+    async def next_line(self) -> bytes | None:
+        """The next line without its newline; None at the end of the stream."""
+        while True:
+            end = self._buffer.find(b"\n")
+            if end >= 0:
+                line = bytes(self._buffer[:end])
+                del self._buffer[: end + 1]
+                return line
+            data = await self._stream.receive_some(65536)
+            if not data:
+                return None
+            self._buffer += data
+
+
+def partition_ranks(ranks: int, generators: int) -> list[range]:
+    """``range(ranks)`` cut into ``generators`` contiguous parts of near-equal size."""
+    bounds = [ranks * part // generators for part in range(generators + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(generators) if bounds[i + 1] > bounds[i]]
+
+
+class GeneratorProcess:
+    """One load-generator child process, driven over its stdin/stdout."""
+
+    def __init__(self, process: trio.Process, ranks: range) -> None:
+        self.process = process
+        self.ranks = ranks
+        self.finishing = False
+        assert process.stdin is not None and process.stdout is not None
+        self._stdin = process.stdin
+        self._lines = LineReader(process.stdout)
+
+    def __str__(self) -> str:
+        return f"load generator for ranks {self.ranks.start}..{self.ranks.stop - 1}"
+
+    async def command(self, word: str) -> None:
+        await self._stdin.send_all(word.encode() + b"\n")
+
+    async def stop(self) -> dict[str, Any]:
+        """End its measured window; its figures for the window."""
+        await self.command("stop")
+        with trio.fail_after(GENERATOR_REPLY_LIMIT_S):
+            line = await self._lines.next_line()
+        if line is None:
+            raise RuntimeError(f"{self} closed its output without reporting")
+        stats: dict[str, Any] = json.loads(line)
+        return stats
+
+    async def watch(self) -> None:
+        """Raise if the process exits before the bench lets it go."""
+        returncode = await self.process.wait()
+        if not self.finishing:
+            raise RuntimeError(f"{self} exited early with code {returncode}")
+
+    async def finish(self) -> None:
+        """Close its stdin (it exits then) and wait up to the grace period for the exit."""
+        self.finishing = True
+        await self._stdin.aclose()
+        with trio.move_on_after(GENERATOR_EXIT_GRACE_S):
+            await self.process.wait()
+
+
+@contextlib.asynccontextmanager
+async def open_generators(
+    url: str, world_size: int, seed: int, generators: int, cores: frozenset[int] | None
+) -> AsyncIterator[list[GeneratorProcess]]:
+    """Start ``generators`` child processes that together run ranks 0..world_size-1 at ``url``.
+
+    On exit every child has exited: those that do not exit within the grace period after their
+    stdin closed, and all of them when the block is cancelled or raises, are killed and reaped.
+    A child that exits early, or with an error, raises RuntimeError.
+    """
+    started: list[GeneratorProcess] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            for part in partition_ranks(world_size, generators):
+                command = [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    GENERATOR_FLAG,
+                    url,
+                    f"--first={part.start}",
+                    f"--count={len(part)}",
+                    f"--world={world_size}",
+                    f"--seed={seed}",
+                ]
+                if cores is not None:
+                    command.append("--cores=" + ",".join(str(core) for core in sorted(cores)))
+                process = await trio.lowlevel.open_process(
+                    command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+                )
+                generator = GeneratorProcess(process, part)
+                started.append(generator)
+                nursery.start_soon(generator.watch)
+            yield started
+            for generator in started:
+                await generator.finish()
+            failed = [g for g in started if g.process.returncode != 0]
+            if failed:
+                codes = ", ".join(f"{g}: {g.process.returncode}" for g in failed)
+                raise RuntimeError(f"load generators did not exit cleanly ({codes})")
+    finally:
+        with trio.CancelScope(shield=True):
+            for generator in started:
+                if generator.process.returncode is None:
+                    generator.process.kill()
+                await generator.process.wait()
+
+
+async def measure_split(
+    ranks: int, seconds: float, seed: int, transport: str, generators: int, plan: CpuPlan
+) -> dict[str, Any]:
+    """Serve ``ranks`` ranks run by generator processes; measure ``seconds`` after warm-up."""
+    recorder = Recorder(ranks, clock_offset=trio_clock_offset())
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="flodl-scale-") as folder:
+        url = f"unix://{folder}/coordinator.sock" if transport == "unix" else "tcp://127.0.0.1:0"
+        started = trio.current_time()
+        with trio.CancelScope() as everything:
+            async with open_coordinator(url, ranks, KEY, CoordinatorConfig(), linger=0.0) as coord:
+                machine = coord.machine
+                instrument_machine(machine, recorder)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(timer_probe, recorder)
+                    async with open_generators(
+                        coord.url, ranks, seed, generators, plan.generators
+                    ) as children:
+                        with trio.fail_after(WARMUP_LIMIT_S):
+                            await recorder.warm.wait()
+                        warm_at = trio.current_time()
+                        # The generators' windows open first (a pipe write each), so that the
+                        # acks of the round whose start ended the warm-up fall in both windows.
+                        for child in children:
+                            await child.command("start")
+                        cpu_before, wall_before = time.process_time(), time.perf_counter()
+                        recorder.measuring = True
+                        await trio.sleep(seconds)
+                        recorder.measuring = False
+                        cpu = time.process_time() - cpu_before
+                        wall = time.perf_counter() - wall_before
+                        reports = [await child.stop() for child in children]
+                        rounds = machine.cycle.round
+                        anchor = machine.elche.anchor
+                        # The ranks leave on the shutdown (closing a socket with unread data
+                        # would reset it: let them read it all); then their processes exit.
+                        coord.request_stop(save=True)
+                        with trio.move_on_after(GENERATOR_EXIT_GRACE_S):
+                            await coord.wait_all_hung_up()
+                    everything.cancel()
+    sent = Counter[str]()
+    for part in reports:
+        sent.update(part["sent_by_kind"])
+    row = _base_row(
+        ranks, recorder, cpu, wall, sent, warm_at - started, rounds, anchor, load_before
+    )
+    lag_p99 = max(part["lag"]["p99_ms"] for part in reports)
+    kept_up = lag_p99 < GENERATOR_LAG_LIMIT_S * 1000.0
+    row.update(
+        {
+            "transport": transport,
+            "unstamped_messages": recorder.unstamped,
+            "coordinator_machine_share": _share(recorder.machine_s, cpu),
+            "generator_lag_p99_ms": lag_p99,
+            "generator_cpu_share_of_wall": max(part["cpu_share_of_wall"] for part in reports),
+            "generator_kept_up": kept_up,
+            "verdict": "meets"
+            if row["meets_target"]
+            else ("misses" if kept_up else "generator_limited"),
+            "generators": reports,
+        }
+    )
+    return row
+
+
+def run_split(
+    ranks: int, seconds: float, seed: int, transport: str, generators: int, plan: CpuPlan
+) -> dict[str, Any]:
+    """One rank count in a fresh trio run, this process pinned to the coordinator's core."""
+    before = os.sched_getaffinity(0) if plan.coordinator is not None else None
+    if plan.coordinator is not None:
+        os.sched_setaffinity(0, plan.coordinator)
+    try:
+        gc.collect()
+        row: dict[str, Any] = trio.run(
+            measure_split, ranks, seconds, seed, transport, generators, plan
+        )
+    finally:
+        if before is not None:
+            os.sched_setaffinity(0, before)
+    return row
+
+
+# --- the generator child process --------------------------------------------------------------
+
+
+async def run_generator(url: str, ranks: range, world_size: int, seed: int) -> None:
+    """Run ``ranks`` (stamping their messages) until stdin ends; answer start/stop on stdio.
+
+    ``start`` opens the measured window; ``stop`` closes it and prints one JSON line with the
+    generator's figures for it. Phases are drawn for all ranks in order, as the in-process
+    mode does, so a rank has the same phases in both modes.
+    """
+    recorder = Recorder(world_size)
+    metronome = Metronome(recorder)
+    rng = random.Random(seed)
+    limiter = trio.CapacityLimiter(CONNECT_AT_ONCE)
+    control = LineReader(trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(metronome.run)
+        for rank in range(world_size):
+            lean = LeanRank(rank, world_size, recorder, metronome, rng, stamp=True)
+            if rank in ranks:
+                nursery.start_soon(lean.run, url, KEY, limiter)
+        cpu_before = wall_before = 0.0
+        while (line := await control.next_line()) is not None:
+            if line == b"start":
+                cpu_before, wall_before = time.process_time(), time.perf_counter()
+                recorder.measuring = True
+            elif line == b"stop":
+                recorder.measuring = False
+                cpu = time.process_time() - cpu_before
+                wall = time.perf_counter() - wall_before
+                stats = {
+                    "first_rank": ranks.start,
+                    "ranks": len(ranks),
+                    "cores": sorted(os.sched_getaffinity(0)),
+                    "seconds": round(wall, 3),
+                    "cpu_s": round(cpu, 3),
+                    "cpu_share_of_wall": round(cpu / wall, 3),
+                    "sent_per_s": round(sum(recorder.sent.values()) / wall, 1),
+                    "sent_by_kind": dict(sorted(recorder.sent.items())),
+                    "received_by_kind": dict(sorted(recorder.delivered.items())),
+                    "lag": summarize_ms(recorder.rank_lag),
+                    "late_rank_ticks": recorder.late_rank_ticks,
+                }
+                print(json.dumps(stats), flush=True)
+        nursery.cancel_scope.cancel()
+
+
+def generator_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(description="load generator of the coordinator scale bench")
+    parser.add_argument("url")
+    parser.add_argument("--first", type=int, required=True)
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--cores", help="comma-separated cores to pin this process to")
+    args = parser.parse_args(argv)
+    if args.cores:
+        os.sched_setaffinity(0, {int(core) for core in args.cores.split(",")})
+    gc.collect()
+    ranks = range(args.first, args.first + args.count)
+    trio.run(run_generator, args.url, ranks, args.world, args.seed)
+    return 0
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -625,65 +1076,129 @@ def environment() -> dict[str, object]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
-        "load_average_1m": os.getloadavg()[0],
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "clocks": clock_check(),
         "packages": {name: version(name) for name in ("trio", "cbor2", "attrs", "flodl")},
     }
 
 
-def report(rows: Sequence[dict[str, Any]], seconds: float, seed: int) -> dict[str, Any]:
-    reference = next((r for r in rows if r["ranks"] == TARGET_RANKS), rows[-1])
+def _at_target(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    return next((r for r in rows if r["ranks"] == TARGET_RANKS), rows[-1])
+
+
+def mode_section(
+    mode: str, rows: Sequence[dict[str, Any]], seconds: float, seed: int, **extra: Any
+) -> dict[str, Any]:
+    """One mode's results, with how and when they were taken."""
+    reference = _at_target(rows)
     return {
         "max_ranks_meeting_target": max_ranks_meeting_target(rows),
         "cpu_us_per_message": reference["cpu_us_per_message"],
         "cpu_us_per_message_at_ranks": reference["ranks"],
-        "target": {
-            "ranks": TARGET_RANKS,
-            "p99_ms_below": TARGET_P99_S * 1000.0,
-            "min_batch_per_rank_s": MIN_BATCH_RATE_SHARE / BATCH_PERIOD_S,
-            "met_at_target_ranks": any(r["ranks"] >= TARGET_RANKS for r in rows)
-            and max_ranks_meeting_target(rows) >= TARGET_RANKS,
-        },
-        "latency_definition": LATENCY_DEFINITION,
-        "load": {
-            "batch_per_rank_s": 1 / BATCH_PERIOD_S,
-            "heartbeat_per_rank_s": 1 / HEARTBEAT_PERIOD_S,
-            "transport": "memory://",
-            "config": "CoordinatorConfig() defaults (cadence policy, anchor 10)",
-        },
-        "method": {
-            "seconds_per_count": seconds,
-            "warmup": f"until all ranks joined and round {WARMUP_ROUNDS} started",
-            "seed": seed,
-            "cpu": "time.process_time over the measured window; cpu_split_share from a trio "
-            "instrument timing task steps (time.thread_time)",
-        },
+        "latency_definition": SPLIT_LATENCY if mode == "split" else INPROCESS_LATENCY,
+        "seconds_per_count": seconds,
+        "seed": seed,
+        "taken_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **extra,
         "counts": list(rows),
         "environment": environment(),
     }
 
 
-def print_table(rows: Sequence[dict[str, Any]], out: Callable[[str], None] = print) -> None:
-    out(
-        f"{'ranks':>6} {'msg/s':>8} {'B/rank/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>8}"
-        f" {'timer p99':>9} {'cpu us/msg':>10} {'coord':>6} {'ok':>4}"
-    )
+def report(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The JSON document: headline keys from the split mode (the coordinator alone on its core)
+    and the in-process mode, then each mode's section."""
+    split = modes.get("split")
+    inprocess = modes.get("inprocess")
+    inprocess_reference = _at_target(inprocess["counts"]) if inprocess else None
+    met = split is not None and split["max_ranks_meeting_target"] >= TARGET_RANKS
+    return {
+        "max_ranks_meeting_target": split["max_ranks_meeting_target"] if split else None,
+        "cpu_us_per_message": split["cpu_us_per_message"] if split else None,
+        "cpu_us_per_message_at_ranks": split["cpu_us_per_message_at_ranks"] if split else None,
+        "cpu_us_per_message_is": "the coordinator process alone (split mode): "
+        "time.process_time / messages its machine processed",
+        "inprocess_max_ranks_meeting_target": inprocess["max_ranks_meeting_target"]
+        if inprocess
+        else None,
+        "inprocess_cpu_us_per_message": inprocess["cpu_us_per_message"] if inprocess else None,
+        "inprocess_coordinator_cpu_us_per_message": inprocess_reference[
+            "coordinator_cpu_us_per_message"
+        ]
+        if inprocess_reference
+        else None,
+        "target": {
+            "ranks": TARGET_RANKS,
+            "p99_ms_below": TARGET_P99_S * 1000.0,
+            "min_batch_per_rank_s": MIN_BATCH_RATE_SHARE / BATCH_PERIOD_S,
+            "met_at_target_ranks": met,
+        },
+        "latency_definition": LATENCY_DEFINITION,
+        "load": {
+            "batch_per_rank_s": 1 / BATCH_PERIOD_S,
+            "heartbeat_per_rank_s": 1 / HEARTBEAT_PERIOD_S,
+            "config": "CoordinatorConfig() defaults (cadence policy, anchor 10)",
+            "warmup": f"until all ranks joined and round {WARMUP_ROUNDS} started",
+        },
+        "modes": modes,
+    }
+
+
+def print_table(mode: str, rows: Sequence[dict[str, Any]], header: bool = True) -> None:
+    extra = "gen lag99 gen cpu" if mode == "split" else "  coord share"
+    if header:
+        print(
+            f"[{mode}] {'ranks':>6} {'offered':>8} {'msg/s':>8} {'B/rank/s':>8} {'p50 ms':>7}"
+            f" {'p99 ms':>7} {'max ms':>8} {'timer p99':>9} {'cpu us/msg':>10} {extra} ok"
+        )
     for r in rows:
         lat, timer = r["latency"], r["timer_lateness"]
-        ok = "yes" if r["meets_target"] else "no"
-        out(
-            f"{r['ranks']:>6} {r['messages_per_s']:>8.0f} {r['batch_per_rank_s']:>8.2f}"
+        if mode == "split":
+            tail = f"{r['generator_lag_p99_ms']:>9.1f} {r['generator_cpu_share_of_wall']:>7.2f}"
+            ok = r["verdict"]
+        else:
+            tail = f"{r['cpu_split_share']['coordinator']:>13.2f}"
+            ok = "yes" if r["meets_target"] else "no"
+        print(
+            f"[{mode}] {r['ranks']:>6} {r['offered_messages_per_s']:>8.0f}"
+            f" {r['messages_per_s']:>8.0f} {r['batch_per_rank_s']:>8.2f}"
             f" {lat['p50_ms']:>7.2f} {lat['p99_ms']:>7.2f} {lat['max_ms']:>8.2f}"
-            f" {timer['p99_ms']:>9.2f} {r['cpu_us_per_message']:>10.1f}"
-            f" {r['cpu_split_share']['coordinator']:>6.2f} {ok:>4}"
+            f" {timer['p99_ms']:>9.2f} {r['cpu_us_per_message']:>10.1f} {tail} {ok}",
+            flush=True,
         )
 
 
+def previous_modes(path: Path) -> dict[str, dict[str, Any]]:
+    """The mode sections of an earlier result file (kept for modes this run does not redo)."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    modes = earlier.get("modes") if isinstance(earlier, dict) else None
+    return dict(modes) if isinstance(modes, dict) else {}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [GENERATOR_FLAG]:
+        return generator_main(argv[1:])
     parser = argparse.ArgumentParser(description="flodl coordinator scale benchmark")
+    parser.add_argument(
+        "--mode",
+        choices=("both", "split", "inprocess"),
+        default="both",
+        help="split: coordinator alone in this process, ranks in generator processes; "
+        "inprocess: both in one trio run over memory:// (default: both, split first)",
+    )
     parser.add_argument("--ranks", type=int, nargs="+", help="rank counts to sweep")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per count")
     parser.add_argument("--quick", action="store_true", help=f"counts {QUICK_COUNTS}, 2 s each")
     parser.add_argument("--seed", type=int, default=0, help="phases of the simulated ranks")
+    parser.add_argument("--transport", choices=("unix", "tcp"), default="unix", help="split mode")
+    parser.add_argument(
+        "--generators", type=int, default=1, help="split mode: load-generator processes"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--profile", type=int, metavar="RANKS", help="cProfile one count instead")
     parser.add_argument("--top", type=int, default=30, help="functions to print with --profile")
@@ -693,17 +1208,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile(args.profile, seconds, args.seed, args.top)
         return 0
     counts = args.ranks or (QUICK_COUNTS if args.quick else DEFAULT_COUNTS)
-    rows = []
-    for ranks in counts:
-        rows.append(run_count(ranks, seconds, args.seed))
-        print_table(rows[-1:] if len(rows) > 1 else rows)
-    result = report(rows, seconds, args.seed)
+    modes = previous_modes(args.output)
+    if args.mode in ("both", "split"):
+        plan = cpu_plan()
+        rows: list[dict[str, Any]] = []
+        for ranks in counts:
+            rows.append(run_split(ranks, seconds, args.seed, args.transport, args.generators, plan))
+            print_table("split", rows[-1:], header=len(rows) == 1)
+        modes["split"] = mode_section(
+            "split",
+            rows,
+            seconds,
+            args.seed,
+            transport=f"{args.transport}://" + (" (127.0.0.1)" if args.transport == "tcp" else ""),
+            generators=args.generators,
+            pinning=plan.describe(),
+        )
+    if args.mode in ("both", "inprocess"):
+        rows = []
+        for ranks in counts:
+            rows.append(run_inprocess(ranks, seconds, args.seed))
+            print_table("inprocess", rows[-1:], header=len(rows) == 1)
+        modes["inprocess"] = mode_section(
+            "inprocess",
+            rows,
+            seconds,
+            args.seed,
+            transport="memory://",
+            pinning="not pinned (one thread: at most one core)",
+            cpu="time.process_time over the measured window (coordinator and ranks together); "
+            "cpu_split_share from a trio instrument timing task steps (time.thread_time)",
+        )
+    result = report(dict(sorted(modes.items(), key=lambda item: item[0] != "split")))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(
-        f"max_ranks_meeting_target={result['max_ranks_meeting_target']} "
-        f"(p99 < {TARGET_P99_S * 1000:.0f} ms), cpu_us_per_message="
-        f"{result['cpu_us_per_message']} at {result['cpu_us_per_message_at_ranks']} ranks; "
+        f"split: max_ranks_meeting_target={result['max_ranks_meeting_target']}, "
+        f"cpu_us_per_message={result['cpu_us_per_message']} "
+        f"(at {result['cpu_us_per_message_at_ranks']} ranks); in-process: "
+        f"{result['inprocess_max_ranks_meeting_target']} ranks, "
+        f"{result['inprocess_cpu_us_per_message']} us/msg; "
         f"load average {os.getloadavg()[0]:.2f}; wrote {args.output}"
     )
     return 0
