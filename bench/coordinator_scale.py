@@ -747,19 +747,6 @@ def run_inprocess(ranks: int, seconds: float, seed: int) -> dict[str, Any]:
     return row
 
 
-def profile(ranks: int, seconds: float, seed: int, top: int) -> None:
-    """Run one in-process count under cProfile and print the hottest functions (own time)."""
-    profiler = cProfile.Profile()
-    profiler.enable()
-    try:
-        trio.run(measure, ranks, seconds, seed, CpuSplit())
-    finally:
-        profiler.disable()
-    stats = pstats.Stats(profiler)
-    stats.sort_stats(pstats.SortKey.TIME).print_stats(top)
-    stats.sort_stats(pstats.SortKey.CUMULATIVE).print_stats("flodl", top)
-
-
 # --- split mode: the coordinator alone in this process, the ranks in generator processes -------
 
 GENERATOR_FLAG = "--generator-child"
@@ -781,16 +768,16 @@ class CpuPlan:
 
     def describe(self) -> str:
         if self.coordinator is None or self.generators is None:
-            return "not pinned (os.sched_setaffinity unavailable or fewer than 2 usable cores)"
+            return "not pinned (--no-pin, no os.sched_setaffinity, or fewer than 2 usable cores)"
         return (
             f"os.sched_setaffinity: coordinator process on cores {sorted(self.coordinator)}, "
             f"load generators on cores {sorted(self.generators)}"
         )
 
 
-def cpu_plan() -> CpuPlan:
+def cpu_plan(pin: bool = True) -> CpuPlan:
     """The first usable core for the coordinator, the others for the generators."""
-    if not hasattr(os, "sched_setaffinity"):
+    if not pin or not hasattr(os, "sched_setaffinity"):
         return CpuPlan(None, None)
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -996,6 +983,20 @@ def run_split(
     return row
 
 
+def profile(run: Callable[[], object], top: int) -> None:
+    """Run one count under cProfile and print the hottest functions of this process (own time);
+    in split mode that is the coordinator alone."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        run()
+    finally:
+        profiler.disable()
+    stats = pstats.Stats(profiler)
+    stats.sort_stats(pstats.SortKey.TIME).print_stats(top)
+    stats.sort_stats(pstats.SortKey.CUMULATIVE).print_stats("flodl", top)
+
+
 # --- the generator child process --------------------------------------------------------------
 
 
@@ -1027,6 +1028,7 @@ async def run_generator(url: str, ranks: range, world_size: int, seed: int) -> N
                 cpu = time.process_time() - cpu_before
                 wall = time.perf_counter() - wall_before
                 stats = {
+                    "pid": os.getpid(),
                     "first_rank": ranks.start,
                     "ranks": len(ranks),
                     "cores": sorted(os.sched_getaffinity(0)),
@@ -1199,18 +1201,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--generators", type=int, default=1, help="split mode: load-generator processes"
     )
+    parser.add_argument(
+        "--no-pin", action="store_true", help="split mode: leave core placement to the OS"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
-    parser.add_argument("--profile", type=int, metavar="RANKS", help="cProfile one count instead")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        metavar="RANKS",
+        help="cProfile one count instead (split mode unless --mode inprocess)",
+    )
     parser.add_argument("--top", type=int, default=30, help="functions to print with --profile")
     args = parser.parse_args(argv)
     seconds = 2.0 if args.quick and args.seconds == 10.0 else args.seconds
+    plan = cpu_plan(pin=not args.no_pin)
     if args.profile:
-        profile(args.profile, seconds, args.seed, args.top)
+        if args.mode == "inprocess":
+            profile(
+                lambda: trio.run(measure, args.profile, seconds, args.seed, CpuSplit()), args.top
+            )
+        else:
+            split_args = (args.seed, args.transport, args.generators, plan)
+            profile(lambda: run_split(args.profile, seconds, *split_args), args.top)
         return 0
     counts = args.ranks or (QUICK_COUNTS if args.quick else DEFAULT_COUNTS)
     modes = previous_modes(args.output)
     if args.mode in ("both", "split"):
-        plan = cpu_plan()
         rows: list[dict[str, Any]] = []
         for ranks in counts:
             rows.append(run_split(ranks, seconds, args.seed, args.transport, args.generators, plan))

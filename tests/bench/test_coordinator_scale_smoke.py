@@ -1,15 +1,21 @@
-"""Smoke run of bench/coordinator_scale.py (8 ranks, 2 s) so the benchmark keeps working."""
+"""Smoke run of bench/coordinator_scale.py (both modes, 8 ranks, 2 s) and checks of its parts:
+send stamps, clocks, rank partitions, and that load-generator processes are always reaped."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+import trio
+
+from flodl.wire.messages import Batch, Heartbeat, Metrics, NewGroupReady, Ready, SyncAck
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "coordinator_scale.py"
 
@@ -42,30 +48,136 @@ def test_ticks_stay_on_the_rank_grid() -> None:
     assert bench._next_grid_tick(0.0, 0.05, 0.1) == pytest.approx(0.05)
 
 
-def test_eight_ranks_for_two_seconds(tmp_path: Path) -> None:
+def test_send_stamps_round_trip_through_the_fields_the_machine_ignores() -> None:
+    bench = load_bench()
+    at = 123456.789012
+    batch = Batch(rank=3, batch_ms=100.0, data_ms=0.0, step_count=7, batch_loss=1.0)
+    stamped = bench.stamp_message(batch, at)
+    assert stamped.batch_loss == at
+    # Everything the machine acts on is unchanged.
+    assert (stamped.rank, stamped.step_count, stamped.batch_ms) == (3, 7, 100.0)
+    heartbeat = bench.stamp_message(Heartbeat(rank=1, step_count=5), at)
+    assert heartbeat.step_count == 123456789012  # whole microseconds
+    assert bench.stamp_of(heartbeat) == pytest.approx(at, abs=1e-6)
+    metrics = Metrics(
+        rank=1, epoch=0, avg_loss=1.0, batches_processed=4, samples_processed=4, epoch_ms=1.0
+    )
+    assert bench.stamp_of(bench.stamp_message(metrics, at)) == at
+    ack = bench.stamp_message(SyncAck(rank=2, round=4, step_count=9), at)
+    assert (ack.round, ack.step_count, ack.divergence, ack.pre_norm) == (4, 9, None, at)
+    for unstamped in (
+        Ready(rank=0, dataset_size=10, batch_size=1, epochs=1),
+        NewGroupReady(rank=0, generation=1, info=b"x"),
+    ):
+        assert bench.stamp_message(unstamped, at) is unstamped
+        assert bench.stamp_of(unstamped) is None
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="CLOCK_MONOTONIC is system-wide on Linux")
+def test_perf_counter_is_the_monotonic_clock_and_trio_offsets_it() -> None:
+    bench = load_bench()
+    assert bench.clock_check() == {
+        "perf_counter": "clock_gettime(CLOCK_MONOTONIC)",
+        "monotonic": "clock_gettime(CLOCK_MONOTONIC)",
+    }
+
+    async def offset_error() -> float:
+        offset: float = bench.trio_clock_offset()
+        now: float = bench.time.perf_counter()
+        return abs((trio.current_time() - offset) - now)
+
+    assert trio.run(offset_error) < 1e-3
+
+
+def test_ranks_split_into_contiguous_near_equal_parts() -> None:
+    bench = load_bench()
+    assert bench.partition_ranks(10, 1) == [range(0, 10)]
+    assert bench.partition_ranks(10, 3) == [range(0, 3), range(3, 6), range(6, 10)]
+    assert bench.partition_ranks(2, 3) == [range(0, 1), range(1, 2)]  # no empty generator
+
+
+async def test_a_generator_that_cannot_connect_fails_the_run_and_is_reaped() -> None:
+    bench = load_bench()
+    with tempfile.TemporaryDirectory() as folder:
+        nobody = f"unix://{folder}/nobody.sock"
+        processes: list[trio.Process] = []
+        early = pytest.RaisesExc(RuntimeError, match="exited early with code 1")
+        with pytest.RaisesGroup(early, flatten_subgroups=True):
+            async with bench.open_generators(nobody, 2, 0, 1, None) as children:
+                processes += [child.process for child in children]
+                await trio.sleep_forever()
+    (process,) = processes
+    assert process.returncode == 1
+
+
+async def test_a_stuck_generator_is_killed_when_the_run_is_cancelled() -> None:
+    bench = load_bench()
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/silent.sock"
+        silent = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        await silent.bind(path)
+        silent.listen(8)  # connections queue, but nobody answers the handshake
+        processes: list[trio.Process] = []
+        with silent, trio.move_on_after(1.0) as scope:
+            async with bench.open_generators(f"unix://{path}", 2, 0, 1, None) as children:
+                processes += [child.process for child in children]
+                await trio.sleep_forever()
+    assert scope.cancelled_caught
+    (process,) = processes
+    assert process.returncode == -9  # killed, and reaped (returncode is known)
+
+
+def test_both_modes_with_eight_ranks_for_two_seconds(tmp_path: Path) -> None:
     output = tmp_path / "coordinator.json"
     command = [sys.executable, str(BENCH), "--ranks", "8", "--seconds", "2", "--output"]
     done = subprocess.run(
         [*command, str(output)], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
+    assert "disconnected" not in done.stderr  # every connection ended cleanly
     result = json.loads(output.read_text())
-    assert result["environment"]["cpu_count"] >= 1
-    assert "on_message" in result["latency_definition"]
-    (row,) = result["counts"]
-    assert row["ranks"] == 8
-    # Every message the machine processed was matched to its send time.
-    assert row["unmatched_messages"] == 0
-    assert row["latency"]["count"] == row["messages"] == sum(row["messages_by_kind"].values())
-    lat = row["latency"]
-    assert 0.0 <= lat["p50_ms"] <= lat["p99_ms"] <= lat["max_ms"]
-    # 8 ranks x 2 s: at most 10 Batch/s each (one grid tick may straddle the window's ends)
-    # and at least 70% of that (barrier waits); about one heartbeat per rank per second.
-    kinds = row["messages_by_kind"]
-    assert 112 <= kinds["Batch"] <= 168
-    assert 8 <= kinds["Heartbeat"] <= 24
-    assert 8 <= row["sent_to_ranks_by_kind"]["CoordHeartbeat"] <= 24
-    assert row["rounds_started"] >= 2  # warm-up waits for round 2
-    assert row["cpu_us_per_message"] > 0
-    assert result["cpu_us_per_message"] == row["cpu_us_per_message"]
-    assert result["max_ranks_meeting_target"] == (8 if row["meets_target"] else 0)
+    assert set(result["modes"]) == {"split", "inprocess"}
+    split, inprocess = result["modes"]["split"], result["modes"]["inprocess"]
+    for section in (split, inprocess):
+        assert section["environment"]["cpu_count"] >= 1
+        assert "on_message" in section["latency_definition"]
+        (row,) = section["counts"]
+        assert row["ranks"] == 8
+        # Every message the machine processed had its send time.
+        assert row["latency"]["count"] == row["messages"] == sum(row["messages_by_kind"].values())
+        lat = row["latency"]
+        assert 0.0 <= lat["p50_ms"] <= lat["p99_ms"] <= lat["max_ms"]
+        # 8 ranks x 2 s: at most 10 Batch/s each (one grid tick may straddle the window's ends)
+        # and at least 70% of that (barrier waits); about one heartbeat per rank per second.
+        for kinds in (row["messages_by_kind"], row["offered_by_kind"]):
+            assert 112 <= kinds["Batch"] <= 168
+            assert 8 <= kinds["Heartbeat"] <= 24
+        assert row["nominal_messages_per_s"] == 88
+        assert row["rounds_started"] >= 2  # warm-up waits for round 2
+        assert row["cpu_us_per_message"] > 0
+        assert section["max_ranks_meeting_target"] == (8 if row["meets_target"] else 0)
+        assert section["cpu_us_per_message"] == row["cpu_us_per_message"]
+    (in_row,) = inprocess["counts"]
+    assert in_row["unmatched_messages"] == 0
+    assert 8 <= in_row["sent_to_ranks_by_kind"]["CoordHeartbeat"] <= 24
+    (split_row,) = split["counts"]
+    assert split_row["unstamped_messages"] == 0
+    assert split_row["verdict"] in {"meets", "misses", "generator_limited"}
+    (generator,) = split_row["generators"]
+    assert (generator["first_rank"], generator["ranks"]) == (0, 8)
+    assert generator["sent_by_kind"] == split_row["offered_by_kind"]
+    assert 8 <= generator["received_by_kind"]["CoordHeartbeat"] <= 24
+    assert generator["lag"]["count"] > 0
+    if split["pinning"].startswith("os.sched_setaffinity"):  # the coordinator has a core alone
+        assert 0 < len(generator["cores"]) < split["environment"]["usable_cores"]
+    with pytest.raises(ProcessLookupError):  # the bench reaped its generator
+        os.kill(generator["pid"], 0)
+    # The headline keys: split mode for the issue's keys, the in-process figures alongside.
+    assert result["max_ranks_meeting_target"] == split["max_ranks_meeting_target"]
+    assert result["cpu_us_per_message"] == split_row["cpu_us_per_message"]
+    assert result["inprocess_max_ranks_meeting_target"] == inprocess["max_ranks_meeting_target"]
+    assert result["inprocess_cpu_us_per_message"] == in_row["cpu_us_per_message"]
+    assert (
+        result["inprocess_coordinator_cpu_us_per_message"]
+        == (in_row["coordinator_cpu_us_per_message"])
+    )
