@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
+from flodl.backends.pipeline import PendingOp
 from flodl.backends.torch_backend import Comm, TorchDistBackend
 from flodl.errors import BackendError
 
@@ -30,6 +31,11 @@ ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 def nccl_usable() -> bool:
     """True when this torch build has NCCL and a CUDA device is visible."""
     return bool(dist.is_nccl_available() and torch.cuda.is_available())
+
+
+class _Done:
+    def wait(self) -> None:
+        """Already ended."""
 
 
 class NcclComm:
@@ -70,6 +76,11 @@ class NcclComm:
         if self._aborted.is_set():
             raise RuntimeError("NCCL communicator was aborted during the op")
 
+    def start_allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> PendingOp:
+        """Runs the op to its end before returning (NCCL rounds use one bucket)."""
+        self.allreduce(tensor, op)
+        return _Done()
+
     def abandon(self) -> None:
         """Abort the communicator: a kernel stuck on a dead peer returns."""
         if not self._aborted.is_set():
@@ -95,10 +106,16 @@ class NcclBackend(TorchDistBackend):
         op_timeout: float = 60.0,
         join_timeout: float = 60.0,
         verify: bool = True,
+        bucket_elements: int | None = None,
     ) -> None:
         if not nccl_usable():
             raise BackendError("nccl backend needs a torch build with NCCL and a CUDA device")
-        super().__init__(op_timeout=op_timeout, join_timeout=join_timeout, verify=verify)
+        super().__init__(
+            op_timeout=op_timeout,
+            join_timeout=join_timeout,
+            verify=verify,
+            bucket_elements=bucket_elements,
+        )
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)

@@ -120,7 +120,7 @@ def test_divergence_and_norms_are_reported() -> None:
     params = [torch.tensor([3.0, 4.0])]
     buffers: list[torch.Tensor] = []
     layout = FlatLayout.of(params, buffers)
-    flat = torch.tensor([6.0, 8.0, 1.0, 1.0])  # finished average (6, 8), mass, mover
+    flat = torch.tensor([1.0, 1.0, 6.0, 8.0])  # mass, mover, finished average (6, 8)
     applied = apply_average(flat, layout, params, buffers)
     assert applied.pre_norm == 5.0 and applied.post_norm == 10.0
     assert applied.diff_norm == 5.0 and applied.divergence == 0.5
@@ -130,7 +130,7 @@ def test_easgd_blend_pulls_halfway_and_overwrites_buffers() -> None:
     params = [torch.tensor([1.5, 3.5])]
     buffers = [torch.tensor([7.0])]
     layout = FlatLayout.of(params, buffers)
-    average = torch.tensor([2.0, 2.0, 2.0, 2.0, 9.0])  # params, mass, mover, buffer
+    average = torch.tensor([2.0, 2.0, 2.0, 2.0, 9.0])  # mass, mover, params, buffer
     apply_average(average, layout, params, buffers, alpha=0.5)
     assert torch.equal(params[0], torch.tensor([1.75, 2.75]))
     assert torch.equal(buffers[0], torch.tensor([9.0]))
