@@ -1,0 +1,329 @@
+"""Elastic recovery under injected faults: real rank processes, real gloo groups, ``launch``.
+
+Each scenario runs the digits task through :mod:`tests.e2e.chaos_rank`, whose ranks fault
+themselves at a precise moment (SIGKILL in compute, in a collective or while hosting a group's
+store; SIGSTOP; a collective that never ends). Every scenario asserts that
+
+* the run completes with every survivor at >= 95% test accuracy, or saves with the expected
+  SaveReason (and the bundles are there);
+* after every averaging round the surviving ranks hold bitwise-identical parameters (sha256
+  of parameters and buffers, ``FLODL_DEBUG_PARAM_HASHES``), and what a rank recorded before it
+  died agrees with the survivors;
+* no process that was started (a SIGSTOPped one and a restarted rank's first life included)
+  is alive once ``launch`` has returned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from flodl.config import CoordinatorConfig
+from flodl.launcher import LaunchConfig, launch
+
+pytestmark = pytest.mark.slow
+
+CHAOS_RANK = Path(__file__).with_name("chaos_rank.py")
+TARGET_ACCURACY = 0.95
+EPOCHS = 8
+SIGKILLED = -signal.SIGKILL
+
+
+@pytest.fixture(autouse=True)
+def _param_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks inherit the launcher's environment: record a parameter hash after every round."""
+    monkeypatch.setenv("FLODL_DEBUG_PARAM_HASHES", "1")
+    monkeypatch.delenv("FLODL_OP_TIMEOUT", raising=False)
+
+
+@attrs.frozen
+class ChaosRun:
+    """A finished run: its summary and what its ranks left in ``run_dir``."""
+
+    run_dir: Path
+    summary: dict[str, Any]
+
+    def report(self, rank: int) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.run_dir / f"rank{rank}.json").read_text())
+        return data
+
+    def hashes(self, rank: int) -> list[tuple[int, int, str]]:
+        """(round, generation, sha256) after each average this rank completed, in order."""
+        return [
+            (int(h["round"]), int(h["generation"]), str(h["sha256"]))
+            for h in self.report(rank)["param_hashes"]
+        ]
+
+    def recorded(self, rank: int) -> list[tuple[int, str]]:
+        """(generation, sha256) after each average, from the chaos records (dead ranks too)."""
+        return [(int(r["generation"]), str(r["sha256"])) for r in self.completed_rounds(rank)]
+
+    def fault(self, rank: int) -> dict[str, Any]:
+        path = self.run_dir / "chaos" / f"rank{rank}.fault.json"
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
+
+    def completed_rounds(self, rank: int) -> list[dict[str, Any]]:
+        path = self.run_dir / "chaos" / f"rank{rank}.rounds.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+    def first_round_after(self, fault: dict[str, Any], survivors: Iterable[int]) -> float:
+        """Unix time of the survivors' first completed average in a newer group than the
+        faulty rank's: the end of the recovery."""
+        generation = fault["generation"]
+        times = [
+            float(r["unix"])
+            for rank in survivors
+            for r in self.completed_rounds(rank)
+            if r["unix"] > fault["unix"] and (generation is None or r["generation"] > generation)
+        ]
+        assert times, f"no completed round after the fault {fault}"
+        return min(times)
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {path.name}\n{path.read_text()[-3000:]}"
+            for path in sorted(self.run_dir.glob("rank*.log"))
+        )
+
+    def started_pids(self) -> list[int]:
+        """Every rank process started in this run (restarted ranks' earlier lives too)."""
+        names = (self.run_dir / "chaos" / "pids").iterdir()
+        pids = {int(path.name.split(".")[1]) for path in names}
+        pids.update(int(r["pid"]) for r in self.summary["ranks"])
+        return sorted(pids)
+
+
+async def chaos_run(
+    run_dir: Path,
+    nproc: int,
+    faults: Sequence[str],
+    *,
+    heartbeat_timeout: float = 5.0,
+    stall_ceiling: float | None = None,
+    restarts: int = 0,
+    resume: Path | None = None,
+    step_ms: float = 0.0,
+    exit_grace: float = 10.0,
+) -> ChaosRun:
+    """Launch ``nproc`` chaos ranks with ``faults`` (``RANK:KIND:N``) and wait for the end."""
+    args = [f"--epochs={EPOCHS}", f"--step-ms={step_ms}"]
+    args += [f"--fault={fault}" for fault in faults]
+    config = LaunchConfig(
+        script=str(CHAOS_RANK),
+        script_args=tuple(args),
+        nproc=nproc,
+        backend="gloo",
+        run_dir=run_dir,
+        coordinator=CoordinatorConfig(
+            heartbeat_timeout=heartbeat_timeout,
+            heartbeat_interval=0.5,
+            reduce_stall_ceiling=stall_ceiling,
+        ),
+        echo=False,
+        exit_grace=exit_grace,
+        restarts=restarts,
+        resume=resume,
+    )
+    with trio.fail_after(120):
+        summary = await launch(config)
+    run = ChaosRun(run_dir, summary)
+    assert_no_process_left(run)
+    return run
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def assert_no_process_left(run: ChaosRun) -> None:
+    pids = run.started_pids()
+    assert len(pids) >= run.summary["nproc"]
+    assert [pid for pid in pids if _alive(pid)] == [], run.summary["ranks"]
+
+
+def assert_completed(run: ChaosRun, survivors: Sequence[int]) -> None:
+    """The run finished every epoch and every survivor exited 0 at the accuracy target."""
+    summary = run.summary
+    assert summary["status"] == "completed", (summary["message"], run.logs())
+    for rank in survivors:
+        entry = summary["ranks"][rank]
+        assert entry["exit_code"] == 0, run.logs()
+        report = run.report(rank)
+        assert report["exit_reason"] == "completed", report
+        assert report["final_metrics"]["test_accuracy"] >= TARGET_ACCURACY, (rank, report)
+
+
+def assert_identical_after_every_round(
+    run: ChaosRun, survivors: Sequence[int], others: Sequence[int] = ()
+) -> None:
+    """Survivors hold bitwise-equal parameters after every round, and recorded the same
+    rounds; a rank that died (or joined late) recorded a subset, equal where it overlaps."""
+    reference = run.hashes(survivors[0])
+    assert len(reference) >= 3, reference
+    rounds = [r for r, _, _ in reference]
+    assert rounds == sorted(set(rounds)), "a round was recorded twice or out of order"
+    for rank in survivors[1:]:
+        assert run.hashes(rank) == reference, f"rank {rank} diverged from rank {survivors[0]}"
+    known = [(generation, sha) for _, generation, sha in reference]
+    for rank in survivors:
+        assert run.recorded(rank) == known  # the chaos records agree with the worker's
+    for rank in others:
+        partial = run.recorded(rank)
+        assert set(partial) <= set(known), f"rank {rank} recorded a round the survivors did not"
+
+
+def assert_deaths(run: ChaosRun, expected: dict[int, str]) -> None:
+    """``expected``: rank -> cause (``disconnected`` for an exit, ``silent`` for a freeze)."""
+    causes = {int(d["rank"]): d["cause"] for d in run.summary["deaths"]}
+    assert causes == expected, run.summary["deaths"]
+
+
+# --- SIGKILL ------------------------------------------------------------------------------------
+
+
+async def test_sigkill_during_compute(tmp_path: Path) -> None:
+    run = await chaos_run(tmp_path / "run", 3, ["2:kill-compute:60"])
+    assert_completed(run, [0, 1])
+    assert_identical_after_every_round(run, [0, 1], [2])
+    assert_deaths(run, {2: "disconnected"})
+    assert run.summary["ranks"][2]["exit_code"] == SIGKILLED
+    fault = run.fault(2)
+    assert fault["batches"] == 60
+    # The closed connection is the death: recovery does not wait out the heartbeat timeout.
+    assert run.first_round_after(fault, [0, 1]) - fault["unix"] < 5.0
+
+
+async def test_sigkill_during_a_collective_at_world_4(tmp_path: Path) -> None:
+    # World 4: rank 1's non-neighbour in gloo's ring would block in the all-reduce until the
+    # per-op timeout (30 s here); DeclareDead must free it well before that.
+    run = await chaos_run(tmp_path / "run", 4, ["1:kill-collective:3"])
+    assert_completed(run, [0, 2, 3])
+    assert_identical_after_every_round(run, [0, 2, 3], [1])
+    assert_deaths(run, {1: "disconnected"})
+    fault = run.fault(1)
+    assert len(run.recorded(1)) == 2  # it died inside its third round, before finishing it
+    assert run.first_round_after(fault, [0, 2, 3]) - fault["unix"] < 5.0
+
+
+async def test_sigkill_of_the_generator_while_it_hosts_the_group(tmp_path: Path) -> None:
+    # Rank 0 is the first generator (lowest rank on the coordinator's host); it dies inside
+    # prepare_group for generation 0, before any group exists.
+    run = await chaos_run(tmp_path / "run", 3, ["0:kill-generator:0"])
+    assert_completed(run, [1, 2])
+    assert_identical_after_every_round(run, [1, 2])
+    assert_deaths(run, {0: "disconnected"})
+    assert run.summary["ranks"][0]["exit_code"] == SIGKILLED
+    assert run.summary["ranks"][0]["batches"] in (0, None)
+    assert run.fault(0)["generation"] is None  # it never joined a group
+
+
+async def test_two_ranks_killed_at_once(tmp_path: Path) -> None:
+    # Both die computing the first batch after their 4th average: within milliseconds.
+    run = await chaos_run(tmp_path / "run", 4, ["1:kill-after-sync:4", "3:kill-after-sync:4"])
+    assert_completed(run, [0, 2])
+    assert_identical_after_every_round(run, [0, 2], [1, 3])
+    assert_deaths(run, {1: "disconnected", 3: "disconnected"})
+    first, second = run.fault(1), run.fault(3)
+    assert abs(first["unix"] - second["unix"]) < 0.5
+    assert first["generation"] == second["generation"]
+    assert run.recorded(1) == run.recorded(3) == run.recorded(0)[:4]
+
+
+async def test_rank_killed_and_restarted_rejoins(tmp_path: Path) -> None:
+    # Slow steps keep the run going long enough for the new process to start and rejoin.
+    run = await chaos_run(tmp_path / "run", 3, ["2:kill-compute:10"], restarts=1, step_ms=25.0)
+    assert_completed(run, [0, 1, 2])
+    assert run.summary["ranks"][2]["restarts"] == 1
+    assert len(list((run.run_dir / "chaos" / "pids").glob("rank2.*"))) == 2
+    assert_deaths(run, {2: "disconnected"})
+    assert_identical_after_every_round(run, [0, 1], [2])
+    rejoined = run.hashes(2)
+    assert rejoined, "the restarted rank never averaged with the others"
+    # From the round it rejoined at, it was in every round the others had.
+    assert rejoined == run.hashes(0)[-len(rejoined) :]
+    assert rejoined[0][1] > run.fault(2)["generation"]
+
+
+# --- SIGSTOP: alive, connected and silent ------------------------------------------------------
+
+
+async def test_sigstopped_rank_is_declared_dead_by_heartbeat(tmp_path: Path) -> None:
+    timeout = 2.0
+    run = await chaos_run(
+        tmp_path / "run", 3, ["2:stop-compute:60"], heartbeat_timeout=timeout, exit_grace=3.0
+    )
+    assert_completed(run, [0, 1])
+    assert_identical_after_every_round(run, [0, 1], [2])
+    assert_deaths(run, {2: "silent"})
+    assert run.summary["ranks"][2]["exit_code"] == SIGKILLED  # the launcher killed it at the end
+    fault = run.fault(2)
+    recovered = run.first_round_after(fault, [0, 1]) - fault["unix"]
+    assert timeout - 0.2 <= recovered < timeout + 3.0
+
+
+# --- saves instead of going on --------------------------------------------------------------------
+
+
+async def test_down_to_one_survivor_saves_then_resumes_with_three(tmp_path: Path) -> None:
+    first = await chaos_run(tmp_path / "first", 3, ["1:kill-after-sync:3", "2:kill-after-sync:3"])
+    summary = first.summary
+    assert (summary["status"], summary["save_reason"]) == ("saved", "SINGLE_SURVIVOR"), (
+        summary["message"],
+        first.logs(),
+    )
+    assert_deaths(first, {1: "disconnected", 2: "disconnected"})
+    assert summary["ranks"][0]["exit_code"] == 0
+    assert first.report(0)["exit_reason"] == "shutdown_with_save:SINGLE_SURVIVOR"
+    assert first.recorded(0)[:3] == first.recorded(1) == first.recorded(2)
+    assert len(first.recorded(1)) == 3
+    bundle_meta = sorted((first.run_dir / "checkpoints" / "rank0").glob("*.meta.json"))
+    assert bundle_meta, "the survivor saved no bundle"
+    saved = json.loads(bundle_meta[-1].read_text())
+    assert saved["save_reason"] == "SINGLE_SURVIVOR" and saved["global_step"] > 0
+
+    resumed = await chaos_run(tmp_path / "resumed", 3, [], resume=first.run_dir)
+    assert resumed.summary["resumed_from"]
+    assert_completed(resumed, [0, 1, 2])
+    assert_identical_after_every_round(resumed, [0, 1, 2])
+    assert resumed.summary["deaths"] == []
+    assert resumed.summary["global_step"] > saved["global_step"]
+
+
+async def test_collective_hung_with_everyone_alive_saves_on_reduce_stall(tmp_path: Path) -> None:
+    # The ceiling's default stays max(10 x heartbeat timeout, 300 s); this run sets it short.
+    assert CoordinatorConfig(heartbeat_timeout=5.0).stall_ceiling == 300.0
+    assert CoordinatorConfig(heartbeat_timeout=45.0).stall_ceiling == 450.0
+    ceiling = 3.0
+    run = await chaos_run(tmp_path / "run", 3, ["1:hang-collective:3"], stall_ceiling=ceiling)
+    summary = run.summary
+    assert (summary["status"], summary["save_reason"]) == ("saved", "REDUCE_STALL"), (
+        summary["message"],
+        run.logs(),
+    )
+    assert summary["deaths"] == []
+    for rank in range(3):
+        assert summary["ranks"][rank]["exit_code"] == 0, run.logs()
+        assert run.report(rank)["exit_reason"] == "shutdown_with_save:REDUCE_STALL"
+    # Two rounds completed before the hung one, identical on all three ranks.
+    assert len(run.hashes(0)) == 2
+    assert run.hashes(0) == run.hashes(1) == run.hashes(2)
+    hung = run.fault(1)
+    for rank in range(3):
+        metas = sorted((run.run_dir / "checkpoints" / f"rank{rank}").glob("*.meta.json"))
+        saved = json.loads(metas[-1].read_text())
+        assert saved["save_reason"] == "REDUCE_STALL"
+        # Saved once the round had stalled for the ceiling: not before, and not much after.
+        assert ceiling - 0.25 <= saved["created_unix"] - hung["unix"] < ceiling + 3.0
