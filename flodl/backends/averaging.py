@@ -210,7 +210,7 @@ def checksum_part(part: torch.Tensor) -> torch.Tensor:
 
     Sums wrap around, so adding the parts of a buffer (:func:`combine_checksums`) gives the
     same value whichever way the buffer was cut, as long as every cut starts on a whole
-    8-byte word of it. An odd trailing 4-byte element counts on its own.
+    8-byte word of it. An odd trailing 4-byte element counts as its signed 32-bit value.
     """
     size = part.element_size()
     if size not in (4, 8):

@@ -1,10 +1,11 @@
-"""One averaging round reduced in buckets, so packing and finishing overlap the collective.
+"""One averaging round reduced in buckets, so packing and checking overlap the collective.
 
 The flat buffer (:class:`~flodl.backends.averaging.FlatLayout`) is cut into buckets of equal
 size. On one worker thread: pack bucket 0, start its all-reduce, pack bucket 1 while bucket 0
-is on the wire, and so on; then, as each bucket lands, divide it, checksum it and take its
-norms while the later buckets are still being reduced. Torch ops release the GIL and gloo
-reduces in its own threads, so compute and communication run side by side.
+is on the wire, and so on; then, as each bucket lands, checksum it and take its norms while
+the later buckets are still being reduced. Torch ops release the GIL and gloo reduces in its
+own threads, so compute and communication run side by side. The divide is fused into the
+write-back (``torch.div(sum, mass, out=param)``), the one pass left after the collective.
 
 Nothing here writes into the live tensors except :func:`write_back`, which the caller runs
 only after the whole round (every bucket, and the verify collective) succeeded. A round that
@@ -81,8 +82,9 @@ class BucketPlan:
     buckets: tuple[Bucket, ...]
 
     @property
-    def widest_piece(self) -> int:
-        return max((p.end - p.start for b in self.buckets for p in b.pieces), default=0)
+    def spare_elements(self) -> int:
+        widest = max((p.end - p.start for b in self.buckets for p in b.pieces), default=0)
+        return max(min(widest, GAP_ELEMENTS), 1)
 
     @staticmethod
     def of(layout: FlatLayout, bucket_elements: int | None) -> BucketPlan:
@@ -115,9 +117,13 @@ class BucketPlan:
         return BucketPlan(layout, tuple(buckets))
 
 
+GAP_ELEMENTS = 1 << 17
+"""Width of the spare that ``S - M p`` is computed in, a slice at a time (512 KiB, float32)."""
+
+
 @attrs.define(eq=False)
 class Scratch:
-    """A flat buffer for one round and a spare for ``p - avg`` (as wide as the widest piece)."""
+    """A flat buffer for one round and a small spare for slices of ``S - M p``."""
 
     flat: torch.Tensor
     spare: torch.Tensor
@@ -144,7 +150,7 @@ class ScratchPool:
 
     def take(self, plan: BucketPlan) -> Scratch:
         layout = plan.layout
-        wanted = plan.widest_piece
+        wanted = plan.spare_elements
         while self._idle:
             scratch = self._idle.pop()
             if scratch.fits(layout, wanted):
@@ -191,6 +197,7 @@ def reduce_in_buckets(
     batches: int,
     gamma: float,
     abandoned: Callable[[], bool],
+    checksum: bool = True,
 ) -> Landed:
     """Pack ``sources`` bucket by bucket into scratch and SUM-reduce; check each as it lands.
 
@@ -201,8 +208,9 @@ def reduce_in_buckets(
     scratch already holds this rank's contribution; each bucket is divided in place as it
     lands (a finished average, for an EASGD blend) and no norms are taken.
 
-    The checksum covers the reduced sums, before any division: equal sums on every rank and
-    the same deterministic division give bitwise equal averages.
+    The checksum (taken when ``checksum``, else 0) covers the reduced sums, before any
+    division: equal sums on every rank and the same deterministic division give bitwise
+    equal averages.
 
     Returns after every bucket's op ended. Raises :class:`CollectiveAborted` when
     ``abandoned()`` turns true before every op was started, RuntimeError when an op failed;
@@ -236,7 +244,8 @@ def reduce_in_buckets(
         if index == 0:
             reduced = read_sums(flat, plan.layout)
             by_mass, by_movers = divisors(reduced)
-        sums.append(checksum_part(flat[bucket.start : bucket.end]))
+        if checksum:
+            sums.append(checksum_part(flat[bucket.start : bucket.end]))
         if reduced.total_mass <= 0:
             continue
         for piece in bucket.pieces:
@@ -244,10 +253,8 @@ def reduce_in_buckets(
             if sources is None:
                 summed.div_(by_mass if piece.is_param else by_movers)
             elif piece.is_param:
-                gap = scratch.spare[: piece.end - piece.start]
-                torch.sub(summed, _source(sources, piece), alpha=by_mass, out=gap)
                 post.append(norm32(summed))
-                diff.append(norm32(gap))
+                diff.extend(_gap_norms(summed, _source(sources, piece), by_mass, scratch.spare))
 
     applied = None
     if sources is not None:
@@ -258,6 +265,20 @@ def reduce_in_buckets(
         else:
             applied = Applied(pre_norm, pre_norm, 0.0)
     return Landed(reduced, combine_checksums(sums), applied)
+
+
+def _gap_norms(
+    summed: torch.Tensor, source: torch.Tensor, mass: float, spare: torch.Tensor
+) -> list[torch.Tensor]:
+    """Norms of ``summed - mass * source``, a spare-sized slice at a time (the spare stays in
+    cache, which makes this ~20% cheaper than one pass through a full-size temporary)."""
+    step = spare.numel()
+    norms = []
+    for start in range(0, summed.numel(), step):
+        gap = spare[: min(step, summed.numel() - start)]
+        torch.sub(summed[start : start + step], source[start : start + step], alpha=mass, out=gap)
+        norms.append(norm32(gap))
+    return norms
 
 
 def _source(sources: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:

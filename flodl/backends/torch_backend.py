@@ -359,7 +359,7 @@ class TorchDistBackend:
         def work(comm: Comm, ticket: _Ticket) -> Landed:
             sources = None if live is None else members(*live, plan.layout)
             landed = reduce_in_buckets(
-                comm, plan, scratch, sources, batches, gamma, lambda: ticket.abandoned
+                comm, plan, scratch, sources, batches, gamma, lambda: ticket.abandoned, verify
             )
             if verify:
                 self._verify(comm, landed.checksum, scratch.flat.device)

@@ -48,8 +48,14 @@ class RankProcess:
 
 
 @asynccontextmanager
-async def spawn_ranks(count: int, op_timeout: float = 3.0) -> AsyncIterator[list[RankProcess]]:
-    """Start ``count`` rank processes and wait until each is ready; kill and reap them all."""
+async def spawn_ranks(
+    count: int, op_timeout: float = 3.0, bucket_elements: int | None = None
+) -> AsyncIterator[list[RankProcess]]:
+    """Start ``count`` rank processes and wait until each is ready; kill and reap them all.
+
+    ``bucket_elements``: each rank's backend option (None: the backend's default).
+    """
+    buckets = [] if bucket_elements is None else ["--bucket-elements", str(bucket_elements)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ranks: list[RankProcess] = []
     try:
@@ -61,6 +67,7 @@ async def spawn_ranks(count: int, op_timeout: float = 3.0) -> AsyncIterator[list
                     "tests.backends.rank_script",
                     "--op-timeout",
                     str(op_timeout),
+                    *buckets,
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

@@ -1,7 +1,7 @@
 """A rank process for the backend tests: JSON-line commands on stdin, JSON replies on stdout.
 
 Not a test module. Model: params p0 (3,) and p1 (2, 2); buffers b0 float (2,) and b1 an int64
-step counter. Run: ``python -m tests.backends.rank_script --op-timeout 3``.
+step counter. Run: ``python -m tests.backends.rank_script --op-timeout 3 [--bucket-elements N]``.
 """
 
 from __future__ import annotations
@@ -50,8 +50,10 @@ def result_dict(result: AverageResult) -> dict[str, Any]:
     }
 
 
-async def serve(op_timeout: float) -> None:
-    backend = open_backend("auto", op_timeout=op_timeout, join_timeout=20.0)
+async def serve(op_timeout: float, bucket_elements: int | None) -> None:
+    backend = open_backend(
+        "auto", op_timeout=op_timeout, join_timeout=20.0, bucket_elements=bucket_elements
+    )
     model = Model()
     stdin = trio.wrap_file(sys.stdin)
     reply({"ready": True, "backend": backend.name})
@@ -121,9 +123,10 @@ def reply(obj: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--op-timeout", type=float, default=3.0)
+    parser.add_argument("--bucket-elements", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    trio.run(serve, args.op_timeout)
+    trio.run(serve, args.op_timeout, args.bucket_elements)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ def assert_identical(replies: list[Any], param: float, buffer: float) -> None:
 
 
 async def test_three_ranks_follow_the_mass_rule() -> None:
-    async with spawn_ranks(3) as ranks:
+    # Buckets of 2 elements: each round is six all-reduces (the other tests use one).
+    async with spawn_ranks(3, bucket_elements=2) as ranks:
         await form_group(ranks, 0)
         # gamma 1: values 1, 2, 3 with 1, 1, 2 batches -> (1 + 2 + 6) / 4
         await fill(ranks, [1.0, 2.0, 3.0], [10.0, 20.0, 30.0])
