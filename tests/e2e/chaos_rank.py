@@ -22,7 +22,8 @@ a process that finds that file already there (a restarted rank) does not fault a
 process writes ``chaos/pids/rank<R>.<pid>`` when it starts, and appends one JSON line per
 completed averaging round to ``chaos/rank<R>.rounds.jsonl`` (``generation``, ``call``: the
 backend's call count, ``unix``, ``sha256`` of the parameters and buffers as the worker's
-``param_hashes``), which a SIGKILLed rank leaves behind where its ``rank<R>.json`` is missing.
+``param_hashes``), which a SIGKILLed rank leaves behind where its ``rank<R>.json`` is missing;
+``chaos/rank<R>.events.jsonl`` times the backend calls (prepare, join, joined, average).
 
 Exit codes as ``examples/digits.py``: 0 completed or saved on request, 1 on a flodl error.
 """
@@ -141,6 +142,12 @@ class Chaos:
             },
         )
 
+    def event(self, what: str, generation: int | None) -> None:
+        """Append ``{event, generation, unix}`` to ``chaos/rank<R>.events.jsonl`` (timings)."""
+        line = json.dumps({"event": what, "generation": generation, "unix": time.time()})
+        with (chaos_dir(self.run_dir) / f"rank{self.rank}.events.jsonl").open("a") as sink:
+            sink.write(line + "\n")
+
     def round_completed(self, generation: int | None, number: int, sha256: str) -> None:
         self.rounds_done += 1
         now = time.time()
@@ -168,11 +175,16 @@ class ChaosBackend:
     def prepare_group(self, generation: int, host: str) -> bytes:
         if self.chaos.due("kill-generator", generation):
             self.chaos.fire(signal.SIGKILL)
-        return self.inner.prepare_group(generation, host)
+        self.chaos.event("prepare", generation)
+        info = self.inner.prepare_group(generation, host)
+        self.chaos.event("prepared", generation)
+        return info
 
     async def join_group(self, info: bytes, rank: int, world_size: int, generation: int) -> None:
+        self.chaos.event("join", generation)
         await self.inner.join_group(info, rank, world_size, generation)
         self.chaos.generation = self.inner.generation
+        self.chaos.event("joined", generation)
 
     async def average(
         self,
@@ -189,6 +201,7 @@ class ChaosBackend:
         if chaos.due("hang-collective", chaos.rounds_started):
             chaos.record()
             await trio.sleep_forever()  # cancelled by the worker (ShutdownWithSave)
+        chaos.event("average", self.inner.generation)
         result = await self.inner.average(params, buffers, batches, gamma)
         digest = tensors_sha256([*params, *buffers])  # as the worker's param_hashes
         chaos.round_completed(self.inner.generation, chaos.rounds_started, digest)
