@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from flodl.backends.pipeline import PendingOp
-from flodl.backends.torch_backend import Comm, TorchDistBackend
+from flodl.backends.torch_backend import DEFAULT_VERIFY_EVERY, Comm, TorchDistBackend
 from flodl.errors import BackendError
 
 ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -106,6 +106,7 @@ class NcclBackend(TorchDistBackend):
         op_timeout: float = 60.0,
         join_timeout: float = 60.0,
         verify: bool = True,
+        verify_every: int = DEFAULT_VERIFY_EVERY,
         bucket_elements: int | None = None,
     ) -> None:
         if not nccl_usable():
@@ -114,6 +115,7 @@ class NcclBackend(TorchDistBackend):
             op_timeout=op_timeout,
             join_timeout=join_timeout,
             verify=verify,
+            verify_every=verify_every,
             bucket_elements=bucket_elements,
         )
         if device is None:

@@ -56,6 +56,9 @@ from flodl.errors import BackendError, CollectiveAborted
 
 T = TypeVar("T")
 
+DEFAULT_VERIFY_EVERY = 10
+"""Verify the first round of a generation, then every 10th (see TorchDistBackend)."""
+
 
 class Comm(Protocol):
     """One generation's communicator. All but ``abandon`` run in worker threads."""
@@ -99,6 +102,7 @@ class _Generation:
     comm: Comm | None
     broken: bool = False
     tickets: set[_Ticket] = attrs.field(factory=set)
+    rounds: int = 0  # rounds started on this generation (the verify cadence counts them)
 
 
 @attrs.define(eq=False)
@@ -140,23 +144,36 @@ class TorchDistBackend:
         op_timeout: float = 60.0,
         join_timeout: float = 60.0,
         verify: bool = True,
+        verify_every: int = DEFAULT_VERIFY_EVERY,
         bucket_elements: int | None = None,
     ) -> None:
         """``op_timeout``: seconds after which a collective gives up by itself (the per-op
-        timeout); ``join_timeout``: seconds to wait for all members when forming a group;
-        ``verify``: after each round, prove with one extra 4-element MAX all-reduce that every
-        rank holds bitwise the same average (its checksum is taken on each bucket as it lands,
-        overlapping the collective; cost measured in bench/results: about one small-op
-        latency, ~0.3-1 ms on loopback gloo); ``bucket_elements``: how many elements each
-        all-reduce of a round carries, so packing and finishing overlap the wire (must be
-        equal on every rank; default :attr:`default_bucket_elements`)."""
+        timeout); ``join_timeout``: seconds to wait for all members when forming a group.
+
+        ``verify``: prove with one extra 4-element MAX all-reduce that every rank holds
+        bitwise the same reduced sums (so the same average), before anything is written;
+        on a mismatch the round raises :class:`BackendError` and the group is broken.
+        ``verify_every``: verify the first round of each group generation and then every
+        ``verify_every``-th one (1: every round). The checksum pass overlaps the collective
+        and is cheap; the verify collective is not, because it is one more point where every
+        rank waits for the slowest: ~1 ms on an idle machine but up to 20-30 ms (a 20-40%
+        longer round, bench/averaging_overhead.py) on a loaded one. The default, 10, keeps
+        that under a few percent of a round while a systematic mismatch is still caught at
+        the first round of a group. ``bucket_elements``: how many elements each all-reduce of
+        a round carries, so packing and checking overlap the wire (default
+        :attr:`default_bucket_elements`). ``verify_every`` and ``bucket_elements`` must be
+        equal on every rank.
+        """
         if op_timeout <= 0 or join_timeout <= 0:
             raise BackendError("op_timeout and join_timeout must be > 0")
+        if verify_every < 1:
+            raise BackendError(f"verify_every must be >= 1, got {verify_every}")
         if bucket_elements is not None and bucket_elements < 2:
             raise BackendError(f"bucket_elements must be >= 2, got {bucket_elements}")
         self.op_timeout = op_timeout
         self.join_timeout = join_timeout
         self.verify = verify
+        self.verify_every = verify_every
         self.bucket_elements = (
             self.default_bucket_elements if bucket_elements is None else bucket_elements
         )
@@ -354,7 +371,8 @@ class TorchDistBackend:
         Raises as :meth:`_in_thread`; on any raise the scratch may still be written by ops in
         flight and must not be used again.
         """
-        verify = self.verify
+        verify = self.verify and gen.rounds % self.verify_every == 0
+        gen.rounds += 1  # every rank runs the same rounds on a generation: same choice
 
         def work(comm: Comm, ticket: _Ticket) -> Landed:
             sources = None if live is None else members(*live, plan.layout)

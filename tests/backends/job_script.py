@@ -22,7 +22,7 @@ from flodl.backends.gloo import GlooBackend
 
 
 async def rank_main(rank: int, info_read: int, info_write: int, close: bool) -> None:
-    backend = GlooBackend(op_timeout=10.0, join_timeout=10.0)
+    backend = GlooBackend(op_timeout=10.0, join_timeout=10.0, verify_every=1)
     if rank == 0:
         info = backend.prepare_group(0, "127.0.0.1")
         os.write(info_write, info.hex().encode() + b"\n")

@@ -52,7 +52,11 @@ def result_dict(result: AverageResult) -> dict[str, Any]:
 
 async def serve(op_timeout: float, bucket_elements: int | None) -> None:
     backend = open_backend(
-        "auto", op_timeout=op_timeout, join_timeout=20.0, bucket_elements=bucket_elements
+        "auto",
+        op_timeout=op_timeout,
+        join_timeout=20.0,
+        verify_every=1,  # the tests verify every round
+        bucket_elements=bucket_elements,
     )
     model = Model()
     stdin = trio.wrap_file(sys.stdin)

@@ -20,7 +20,7 @@ from flodl.errors import BackendError, CollectiveAborted
 
 @pytest.fixture
 async def pair() -> AsyncIterator[list[GlooBackend]]:
-    backends = [GlooBackend(op_timeout=1.0, join_timeout=10.0) for _ in range(2)]
+    backends = [GlooBackend(op_timeout=1.0, join_timeout=10.0, verify_every=1) for _ in range(2)]
     try:
         yield backends
     finally:
@@ -50,7 +50,7 @@ async def average_all(
 
 
 async def test_world_of_one_keeps_its_values_and_reports_mass() -> None:
-    backend = GlooBackend(op_timeout=2.0)
+    backend = GlooBackend(op_timeout=2.0, verify_every=1)
     try:
         await form([backend], 0)
         params, buffers = model(3.0)
@@ -152,7 +152,7 @@ NO_NCCL = "needs a torch build with NCCL and a CUDA device (CPU-only here)"
 @pytest.mark.gpu
 @pytest.mark.skipif(not nccl_usable(), reason=NO_NCCL)
 async def test_nccl_world_of_one_averages_on_the_gpu() -> None:
-    backend = NcclBackend(op_timeout=30.0)
+    backend = NcclBackend(op_timeout=30.0, verify_every=1)
     try:
         await form([backend], 0)
         params = [torch.full((5,), 2.0, device=backend.device)]
@@ -169,7 +169,7 @@ async def test_nccl_world_of_one_averages_on_the_gpu() -> None:
     not nccl_usable() or torch.cuda.device_count() < 2, reason=NO_NCCL + " (two devices)"
 )
 async def test_nccl_two_devices_average_and_survive_a_cancel() -> None:
-    backends = [NcclBackend(device=i, op_timeout=30.0) for i in range(2)]
+    backends = [NcclBackend(device=i, op_timeout=30.0, verify_every=1) for i in range(2)]
     try:
         await form(backends, 0)
         models = [

@@ -26,7 +26,7 @@ from flodl.backends.averaging import (
 from flodl.backends.base import AverageResult
 from flodl.backends.gloo import GlooBackend
 from flodl.backends.pipeline import BucketPlan, Piece
-from flodl.backends.torch_backend import _GroupVerifyFailed
+from flodl.backends.torch_backend import Comm, _GroupVerifyFailed
 from flodl.errors import BackendError
 
 Model = tuple[list[torch.Tensor], list[torch.Tensor]]
@@ -34,7 +34,9 @@ Model = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 def pair_of(bucket_elements: int | None) -> list[GlooBackend]:
     return [
-        GlooBackend(op_timeout=1.0, join_timeout=10.0, bucket_elements=bucket_elements)
+        GlooBackend(
+            op_timeout=1.0, join_timeout=10.0, verify_every=1, bucket_elements=bucket_elements
+        )
         for _ in range(2)
     ]
 
@@ -287,3 +289,35 @@ async def test_verify_collective_compares_full_64_bit_checksums(
         for index in range(2):
             nursery.start_soon(trio.to_thread.run_sync, verify, index)
     assert outcomes == ["agree" if agree else "differ"] * 2
+
+
+class CountingVerify(GlooBackend):
+    """Records which rounds of the current generation ran the verify collective."""
+
+    def __init__(self, verify_every: int) -> None:
+        super().__init__(op_timeout=1.0, join_timeout=10.0, verify_every=verify_every)
+        self.verified: list[int] = []
+
+    def _verify(self, comm: Comm, checksum: int, device: torch.device) -> None:
+        assert self._current is not None
+        self.verified.append(self._current.rounds - 1)
+        super()._verify(comm, checksum, device)
+
+
+async def test_verify_runs_on_the_first_round_of_a_generation_then_every_nth() -> None:
+    backends = [CountingVerify(verify_every=3) for _ in range(2)]
+    try:
+        await form(backends, 0)
+        models = [random_model(7), random_model(8)]
+        for _ in range(7):
+            await average_all(backends, models, [1, 2])
+        assert [b.verified for b in backends] == [[0, 3, 6]] * 2
+        await form(backends, 1)  # a new generation starts its count again
+        for _ in range(2):
+            await average_all(backends, models, [1, 2])
+        assert [b.verified for b in backends] == [[0, 3, 6, 0]] * 2
+        with pytest.raises(BackendError, match="verify_every"):
+            GlooBackend(verify_every=0)
+    finally:
+        for backend in backends:
+            await backend.close()
