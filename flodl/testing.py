@@ -156,7 +156,6 @@ class ScriptedRank:
     def _reset(self) -> None:
         """Fresh process state: no work, no group, step count 0."""
         self._work: deque[tuple[int, int, int]] = deque()  # (epoch, offset, size)
-        self._work_ready = trio.Event()
         self._inbox_send, self._inbox = trio.open_memory_channel[Message](math.inf)
         self._step_count = 0
         self._group: SimulatedGroup | None = None
@@ -234,9 +233,9 @@ class ScriptedRank:
                     self.record.ended_by = message
                     scope.cancel()
                     return
-                if isinstance(message, StartEpoch | ExtendPartition):
-                    self._queue_work(message)
-                elif not isinstance(message, CoordHeartbeat | EpochAggregated | SetGlobalStep):
+                if not isinstance(message, CoordHeartbeat | EpochAggregated | SetGlobalStep):
+                    # Work and control share one queue: like the real worker, a rank acts on
+                    # them in arrival order (a SyncNow before the window it came with).
                     self._inbox_send.send_nowait(message)
         except (ChannelClosed, FlodlError, trio.BrokenResourceError):
             scope.cancel()
@@ -247,53 +246,26 @@ class ScriptedRank:
         else:
             span = (message.epoch, message.offset, message.size)
         self._work.append(span)
-        self._work_ready.set()
 
     async def _obey(self, channel: Channel) -> None:
-        """Alternate between training on queued work and handling control messages."""
+        """Handle queued messages in order; train while there is work and nothing queued."""
         clock_mark = trio.current_time()
         while not self.cancel_scope.cancel_called:
-            if self._work and not self._throttled:
+            pending = self._inbox.statistics().current_buffer_used
+            if pending == 0 and self._work and not self._throttled:
                 start = trio.current_time()
                 self.record.idle_s += start - clock_mark
                 await self._train_chunk(channel)
                 clock_mark = trio.current_time()
                 self.record.busy_s += clock_mark - start
                 continue
-            message = await self._next_control()
-            if message is None:
-                continue
+            message = await self._inbox.receive()
             handled_at = trio.current_time()
             await self._control(channel, message)
             if isinstance(message, SyncNow):
                 self.record.idle_s += handled_at - clock_mark
                 clock_mark = trio.current_time()
                 self.record.busy_s += clock_mark - handled_at
-
-    async def _next_control(self) -> Message | None:
-        """The next control message, or None when work arrived first."""
-        try:
-            return self._inbox.receive_nowait()
-        except trio.WouldBlock:
-            pass
-        self._work_ready = trio.Event()
-        if self._work and not self._throttled:
-            return None
-        async with trio.open_nursery() as nursery:
-            got: list[Message] = []
-
-            async def take() -> None:
-                got.append(await self._inbox.receive())
-                nursery.cancel_scope.cancel()
-
-            async def work() -> None:
-                await self._work_ready.wait()
-                if not self._throttled:
-                    nursery.cancel_scope.cancel()
-
-            nursery.start_soon(take)
-            nursery.start_soon(work)
-        return got[0] if got else None
 
     async def _train_chunk(self, channel: Channel) -> None:
         script = self.script
@@ -359,7 +331,9 @@ class ScriptedRank:
             await self._control(channel, self._inbox.receive_nowait())
 
     async def _control(self, channel: Channel, message: Message) -> None:
-        if isinstance(message, Throttle):
+        if isinstance(message, StartEpoch | ExtendPartition):
+            self._queue_work(message)
+        elif isinstance(message, Throttle):
             self._throttled = True
         elif isinstance(message, RequestNewGroup):
             if self.script.die_on_group_request:

@@ -11,10 +11,9 @@ does not decide cadence (ElChe's batch counts come in as an argument); it execut
 * :meth:`Cycle.start_round` closes the window at once (as floDl's collective path does):
   ``global_step += sum(steps)``, step counters reset, throttles cleared, and it returns
   ``SyncNow`` plus ``SetGlobalStep`` for the members.
-* A member acknowledges the round with a ``SyncAck`` carrying that round's number, or with
-  a ``Batch`` whose ``step_count`` exceeds the count snapshot taken when the round was armed
-  (ranks bump their ``step_count`` when they finish a collective, so their first report
-  after the average is an ack). A ``SyncAck`` for any other round is ignored. Once every
+* A member acknowledges the round with a ``SyncAck`` carrying that round's number; one for
+  any other round is ignored. (floDl also takes a ``Batch`` whose step count passed the
+  arm-time snapshot as an ack; flodl does not, see :meth:`Cycle.on_batch`.) Once every
   member acked, the round is *settled*.
 * While a round is unsettled the run must not be shut down gracefully
   (:meth:`Cycle.may_shutdown`), and past the reduce-stall ceiling the cycle asks once for
@@ -233,17 +232,20 @@ class Cycle:
     # --- reports from ranks ---------------------------------------------------------------
 
     def on_batch(self, now: float, batch: Batch) -> bool:
-        """Count one finished batch of ``batch.rank``; True when it settled the round.
+        """Count one finished batch of ``batch.rank``; never settles a round (returns False).
 
+        Unlike floDl, a Batch whose step count passed the arm-time snapshot does not
+        acknowledge the round: flodl hands out the next window together with SyncNow, and a
+        rank that finishes the batch it was in before averaging would look acked while its
+        collective is still ahead of it. Only a SyncAck for the round acknowledges it.
         Reports from ranks outside the group are ignored.
         """
         rank = batch.rank
         self._check_rank(rank)
-        if rank not in self._members:
-            self._last_step_count[rank] = batch.step_count
-            return False
-        self._steps[rank] += 1
-        return self._see_step_count(now, rank, batch.step_count)
+        self._last_step_count[rank] = batch.step_count
+        if rank in self._members:
+            self._steps[rank] += 1
+        return False
 
     def on_sync_ack(self, now: float, ack: SyncAck) -> bool:
         """Take ``ack`` into account; True when it settled the round.
@@ -255,18 +257,12 @@ class Cycle:
         self._check_rank(rank)
         if rank not in self._members or ack.round != self._round:
             return False
-        if self._state is RoundState.IN_FLIGHT:
-            self._acked.add(rank)
-        return self._see_step_count(now, rank, ack.step_count)
-
-    def _see_step_count(self, now: float, rank: int, step_count: int) -> bool:
         # Latest, not largest: frames of one connection arrive in order, and a rank that
         # restarted counts from zero again.
-        self._last_step_count[rank] = step_count
+        self._last_step_count[rank] = ack.step_count
         if self._state is not RoundState.IN_FLIGHT:
             return False
-        if step_count > self._snapshot[rank]:
-            self._acked.add(rank)
+        self._acked.add(rank)
         return self._settle_if_complete(now)
 
     def _settle_if_complete(self, now: float) -> bool:

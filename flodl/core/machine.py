@@ -461,8 +461,7 @@ class CoordinatorMachine:
             self.elche = self._initial_elche(len(new_members))
             self.phase = Phase.TRAINING
             first_epoch = 0 if self._resume is None else self._resume.epoch
-            effects += self._begin_training(first_epoch)
-            return effects
+            return effects + self._begin_training(first_epoch, now)
         old_index = {rank: i for i, rank in enumerate(self._elche_ranks)}
         kept = [rank for rank in self._elche_ranks if rank in new_members]
         self.elche = self.elche.for_survivors([old_index[r] for r in kept])
@@ -491,12 +490,15 @@ class CoordinatorMachine:
 
     # --- training ---------------------------------------------------------------------------
 
-    def _begin_training(self, first_epoch: int) -> list[Effect]:
+    def _begin_training(self, first_epoch: int, now: float) -> list[Effect]:
+        """Open the run's work and start round 1 at once, before any batch: with no steps
+        anywhere it makes every rank start from the same parameters (the ranks give group
+        rank 0's copy all the mass in that round, as DDP broadcasts from rank 0)."""
         assert self.job is not None
         self.work = Workload(
             self.job.dataset_size, self.job.batch_size, self.job.epochs, first_epoch=first_epoch
         )
-        return self._dispatch_window()
+        return self._start_round(now, delivered=False)
 
     def _dispatch_window(self) -> list[Effect]:
         assert self.work is not None
@@ -624,7 +626,7 @@ class CoordinatorMachine:
         return effects + self._dispatch_window()
 
     def _feed_elche(self, steps: Sequence[int], delivered: bool, now: float) -> None:
-        if self.config.policy is Policy.SYNC:
+        if self.config.policy is Policy.SYNC or not any(steps):
             return
         windows: list[RankWindow | None] = []
         for rank in self.members:

@@ -203,6 +203,7 @@ class Worker:
         self._goodbye_sent = False
         self._fatal: FlodlError | None = None
         self._joined_generation = -1
+        self._group_rank = -1
         self._announced_generation = -1
         self._doomed_generation = -1
         self._collective_scope: trio.CancelScope | None = None
@@ -416,6 +417,10 @@ class Worker:
             return
         params, buffers = self._tensors()
         batches = self._since_average
+        if sync.generation == 0 and self.syncs == 0 and self.batches == 0:
+            # The run's first round comes before any batch: group rank 0 alone carries mass,
+            # so every rank starts from its parameters (a broadcast through the mass rule).
+            batches = 1 if self._group_rank == 0 else 0
         if self.config.policy is Policy.ASYNC:
             await self._start_background(sync, params, buffers, batches)
             return
@@ -711,6 +716,7 @@ class Worker:
                         session.info, session.new_rank, session.new_world_size, session.generation
                     )
                     self._joined_generation = session.generation
+                    self._group_rank = session.new_rank
                 except BackendError as err:
                     log.warning(
                         "rank %d: could not join group %d: %s", self.rank, session.generation, err

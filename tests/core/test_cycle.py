@@ -166,21 +166,23 @@ def test_counts_must_cover_the_world() -> None:
 # --- acks ---------------------------------------------------------------------------------
 
 
-def test_batch_with_step_count_above_the_snapshot_acks_the_rank() -> None:
+def test_a_batch_never_acks_a_round_only_its_sync_ack_does() -> None:
     cycle = Cycle(2, Policy.SYNC)
     cycle.on_batch(0.0, batch(0, 7))
     cycle.on_batch(0.0, batch(1, 3))
     cycle.start_round(1.0, generation=0)
-    # Snapshot is {0: 7, 1: 3}: equal counts are not acks, larger ones are.
-    assert not cycle.on_batch(1.1, batch(0, 7))
-    assert cycle.acked == frozenset()
-    assert not cycle.on_batch(1.2, batch(0, 8))
+    # A rank may finish the batch it was in before it averages: its step count passes the
+    # snapshot, but its collective is still ahead of it, so this is no ack.
+    assert not cycle.on_batch(1.1, batch(0, 8))
+    assert not cycle.on_batch(1.2, batch(1, 4))
+    assert cycle.acked == frozenset() and not cycle.settled
+    assert not cycle.on_sync_ack(1.3, ack(0, 1, step_count=9))
     assert cycle.acked == frozenset({0})
-    assert cycle.on_batch(1.5, batch(1, 4))
+    assert cycle.on_sync_ack(1.5, ack(1, 1, step_count=5))
     assert cycle.settled
     assert cycle.last_sync_duration == pytest.approx(0.5)
     # The batches after SyncNow belong to the next window.
-    assert cycle.steps == (2, 1)
+    assert cycle.steps == (1, 1)
 
 
 def test_sync_ack_with_a_higher_step_count_acks_too() -> None:
@@ -200,14 +202,13 @@ def test_stale_or_future_round_ack_is_ignored() -> None:
     run_batches(cycle, 1, 1)
     cycle.start_round(1.0, generation=0)
     assert cycle.round == 2
-    # A late ack of round 1 with a large step count must not ack round 2, nor move the
-    # snapshot source: the later Batch with step_count 3 still acks.
+    # A late ack of round 1 and an early one of round 3 do not ack round 2.
     assert not cycle.on_sync_ack(1.1, ack(0, 1, step_count=99))
     assert not cycle.on_sync_ack(1.1, ack(0, 3, step_count=99))
     assert cycle.acked == frozenset()
     assert not cycle.on_sync_ack(1.2, ack(0, 2, step_count=0))
     assert cycle.acked == frozenset({0})
-    assert cycle.on_batch(1.3, batch(1, 3))
+    assert cycle.on_sync_ack(1.3, ack(1, 2, step_count=3))
     assert cycle.settled
 
 
