@@ -380,6 +380,8 @@ class TorchDistBackend:
                 comm, plan, scratch, sources, batches, gamma, lambda: ticket.abandoned, verify
             )
             if verify:
+                if ticket.abandoned:
+                    raise CollectiveAborted("abandoned before the verify collective")
                 self._verify(comm, landed.checksum, scratch.flat.device)
             return landed
 
