@@ -84,7 +84,8 @@ class BucketPlan:
     @property
     def spare_elements(self) -> int:
         widest = max((p.end - p.start for b in self.buckets for p in b.pieces), default=0)
-        return max(min(widest, GAP_ELEMENTS), 1)
+        block = CPU_BLOCK_ELEMENTS if self.layout.device.type == "cpu" else DEVICE_BLOCK_ELEMENTS
+        return max(min(widest, block), 1)
 
     @staticmethod
     def of(layout: FlatLayout, bucket_elements: int | None) -> BucketPlan:
@@ -117,8 +118,12 @@ class BucketPlan:
         return BucketPlan(layout, tuple(buckets))
 
 
-GAP_ELEMENTS = 1 << 17
-"""Width of the spare that ``S - M p`` is computed in, a slice at a time (512 KiB, float32)."""
+CPU_BLOCK_ELEMENTS = 1 << 17
+"""Block for the norms on CPU: ``S``, ``p`` and ``S - M p`` blocks (512 KiB each in float32)
+stay in a core's L2 between the subtraction and the three norms."""
+
+DEVICE_BLOCK_ELEMENTS = 1 << 24
+"""Block on an accelerator: large, since every block costs kernel launches there."""
 
 
 @attrs.define(eq=False)

@@ -62,6 +62,7 @@ def random_model(seed: int) -> Model:
     g = torch.Generator().manual_seed(seed)
     params = [
         torch.randn(3, 5, generator=g),
+        torch.zeros(0),  # an empty parameter lies in no bucket
         torch.randn(7, generator=g),
         torch.randn(2, generator=g),
     ]
