@@ -189,6 +189,22 @@ async def _watch_signals(coordinator: Coordinator, spawned: Sequence[RankProcess
                 return
 
 
+def _kill_declared_dead(coordinator: Coordinator, spawned: Sequence[RankProcess]) -> None:
+    """Kill the processes of ranks the coordinator declared dead and did not rejoin.
+
+    A rank declared dead for silence (stopped, or stuck) will not exit on its own; waiting
+    the exit grace for it would only delay the end of the run.
+    """
+    machine = coordinator.machine
+    for item in spawned:
+        stats = machine.stats[item.rank]
+        rejoined = stats.joined_at is not None and (
+            stats.lost_at is None or stats.joined_at > stats.lost_at
+        )
+        if stats.lost_at is not None and not rejoined and item.process.returncode is None:
+            item.process.kill()
+
+
 def _kill_all(spawned: Sequence[RankProcess]) -> None:
     for item in spawned:
         if item.process.returncode is None:
@@ -221,7 +237,8 @@ async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str,
         linger=config.exit_grace,
         resume=None if plan is None else plan.state,
     ) as coordinator:
-        trio_start = trio.current_time()
+        # Both clocks read together, so timeline times map onto unix times exactly.
+        trio_start, clock_unix = trio.current_time(), time.time()
         master_port = int(coordinator.url.rsplit(":", 1)[-1]) if "tcp" in url else 0
         try:
             async with trio.open_nursery() as nursery:
@@ -244,6 +261,7 @@ async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str,
                     nursery.start_soon(_supervise, item, coordinator, config, start_rank)
                 nursery.start_soon(_watch_signals, coordinator, spawned)
                 await coordinator.wait_finished()
+                _kill_declared_dead(coordinator, spawned)
                 with trio.move_on_after(config.exit_grace):
                     for item in spawned:
                         await item.process.wait()
@@ -257,7 +275,8 @@ async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str,
                     if item.exit_code is None:
                         item.exit_code = item.process.returncode
                         item.exited_unix = time.time()
-        summary = build_summary(config, coordinator, spawned, started_unix, trio_start)
+        summary = build_summary(config, coordinator, spawned, (clock_unix, trio_start))
+        summary["wall_s"] = time.time() - started_unix
         save_coordinator_meta(run_dir, coordinator.machine.checkpoint_meta())
         if plan is not None:
             summary["resumed_from"] = str(plan.bundle)
@@ -269,14 +288,14 @@ def build_summary(
     config: LaunchConfig,
     coordinator: Coordinator,
     spawned: Sequence[RankProcess],
-    started_unix: float,
-    trio_start: float,
+    clocks: tuple[float, float],
 ) -> dict[str, Any]:
     """What happened, per rank and per death, in one JSON-able dict."""
     machine = coordinator.machine
+    clock_unix, trio_start = clocks
 
     def unix(t: float) -> float:
-        return started_unix + (t - trio_start)
+        return clock_unix + (t - trio_start)
 
     ranks = []
     final_metrics: dict[str, Any] = {}
@@ -294,13 +313,17 @@ def build_summary(
                 "syncs": report.get("syncs", stats.syncs),
                 "idle_s": report.get("idle_s"),
                 "wall_s": report.get("wall_s"),
-                "idle_share": _share(report.get("idle_s"), report.get("wall_s")),
+                "startup_s": report.get("startup_s"),
+                "idle_share": _share(report.get("idle_s"), _training_s(report)),
                 "exit_reason": report.get("exit_reason"),
                 "final_metrics": report.get("final_metrics", {}),
             }
         )
-        for name, value in (report.get("final_metrics") or {}).items():
-            final_metrics.setdefault(name, []).append(value)
+        if report.get("syncs"):
+            # A rank that never averaged (say, restarted after the run had ended) holds an
+            # untrained model: its metrics say nothing about the run.
+            for name, value in (report.get("final_metrics") or {}).items():
+                final_metrics.setdefault(name, []).append(value)
     syncs_end = [e.time for e in machine.timeline if e.kind is EventKind.SYNC_END]
     deaths = []
     by_rank = {item.rank: item for item in spawned}
@@ -332,8 +355,7 @@ def build_summary(
         "message": outcome.message,
         "policy": config.coordinator.policy.value,
         "nproc": config.nproc,
-        "started_unix": started_unix,
-        "wall_s": time.time() - started_unix,
+        "started_unix": clock_unix,
         "global_step": machine.cycle.global_step,
         "rounds": machine.cycle.round,
         "anchor": machine.elche.anchor,
@@ -355,6 +377,14 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _training_s(report: dict[str, Any]) -> float | None:
+    """Seconds from the rank's first batch to its exit (its wall time less start-up)."""
+    wall, startup = report.get("wall_s"), report.get("startup_s") or 0.0
+    if not isinstance(wall, int | float) or not isinstance(startup, int | float):
+        return None
+    return float(wall) - float(startup)
 
 
 def _share(idle: Any, wall: Any) -> float | None:

@@ -177,6 +177,10 @@ class Worker:
         self.global_step = 0
         """The run's global step as last set by the coordinator (SetGlobalStep)."""
         self.idle_s = 0.0
+        self.startup_s = 0.0
+        """Time from the handshake to the first batch (group formation, waiting for peers to
+        start): kept apart from ``idle_s``, which is time lost while training."""
+        self._first_batch_at: float | None = None
         """Seconds spent at batch boundaries: waiting for work, averaging, throttled."""
         self.final_metrics: dict[str, float] = {}
         self.exit_reason: str | None = None
@@ -278,10 +282,15 @@ class Worker:
         finally:
             self._boundary_scope = None
             now = trio.current_time()
-            self.idle_s += now - entered
-            if self._chunk is not None and entered >= self._chunk.started_at:
-                self._chunk.idle_s += now - entered
+            if self._first_batch_at is None:
+                self.startup_s += now - entered
+            else:
+                self.idle_s += now - entered
+                if self._chunk is not None and entered >= self._chunk.started_at:
+                    self._chunk.idle_s += now - entered
         if assignment is not None:
+            if self._first_batch_at is None:
+                self._first_batch_at = trio.current_time()
             self._current = assignment
             self._handed_out_at = trio.current_time()
         return assignment
@@ -776,6 +785,7 @@ class Worker:
             "syncs": self.syncs,
             "global_step": self.global_step,
             "idle_s": self.idle_s,
+            "startup_s": self.startup_s,
             "wall_s": self.wall_s,
             "final_metrics": dict(self.final_metrics),
             "exit_reason": self.exit_reason,
