@@ -31,13 +31,13 @@ from flodl.backends.averaging import (
     Reduced,
     checksum_part,
     combine_checksums,
-    combine_norms,
+    combine_squares,
     divisors,
     mass_of,
     mover_of,
-    norm32,
     read_sums,
     scaled_copy,
+    squared_norm,
 )
 from flodl.errors import BackendError, CollectiveAborted
 
@@ -261,11 +261,11 @@ def reduce_in_buckets(
 
     applied = None
     if sources is not None:
-        pre = combine_norms(norms.pre)
+        pre = combine_squares(norms.pre)
         if reduced.total_mass > 0:
             scale = reduced.total_mass
             applied = Applied(
-                pre, combine_norms(norms.post) / scale, combine_norms(norms.diff) / scale
+                pre, combine_squares(norms.post) / scale, combine_squares(norms.diff) / scale
             )
         else:
             applied = Applied(pre, pre, 0.0)
@@ -274,7 +274,8 @@ def reduce_in_buckets(
 
 @attrs.define
 class _Norms:
-    """Per-block norms of ``p``, ``S`` and ``S - M p`` (0-d tensors, combined at the end)."""
+    """Per-block squared norms of ``p``, ``S`` and ``S - M p`` (0-d tensors, combined at the
+    end)."""
 
     pre: list[torch.Tensor] = attrs.field(factory=list)
     post: list[torch.Tensor] = attrs.field(factory=list)
@@ -293,9 +294,9 @@ class _Norms:
                 landed = summed[start : start + step]
                 gap = spare[: landed.numel()]
                 torch.sub(landed, block, alpha=mass, out=gap)
-                self.diff.append(norm32(gap))
-                self.post.append(norm32(landed))
-            self.pre.append(norm32(block))
+                self.diff.append(squared_norm(gap))
+                self.post.append(squared_norm(landed))
+            self.pre.append(squared_norm(block))
 
 
 def _source(sources: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
