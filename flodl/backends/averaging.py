@@ -15,8 +15,10 @@ as the first piece has landed.
 Every rank runs the same deterministic arithmetic on the same reduced bytes, so the averaged
 values are bitwise identical across ranks; :func:`bit_checksum` lets a caller prove it.
 
-Norms are accumulated in float32 per tensor (float64 for the sum of their squares): they feed
-the divergence guard, not the model, and a float64 pass would cost ~25x more.
+Norms are accumulated in float32 per tensor or block (float64 for the sum of their squares):
+they feed the divergence guard, not the model, and a float64 pass would cost ~25x more.
+Measured on 10.5M parameters against float64: pre/post norms within 1e-7 relative, the
+divergence within 1e-5 at 5e-5 (the float32 average itself limits it below that).
 """
 
 from __future__ import annotations

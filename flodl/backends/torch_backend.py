@@ -3,8 +3,11 @@
 Each generation's process group is built directly on a prefixed store (no global default
 group), so survivors can build generation ``g + 1`` while generation ``g`` is broken and an
 abandoned operation on it is still blocked in a thread. Every blocking torch call runs in a
-worker thread; collectives work on a scratch flat buffer, and only after a round succeeded is
-the result written into the live tensors.
+worker thread; collectives work on a scratch flat buffer (kept between rounds, dropped after
+a failed or abandoned one, which may still be written by its ops), reduced in buckets that
+overlap packing and checking with the wire (:mod:`flodl.backends.pipeline`), and only after a
+round succeeded (and, on verified rounds, its checksums agreed) is the result written into
+the live tensors.
 
 Cancellation: if the caller's cancel scope fires during a round, the worker thread is
 abandoned, the generation is marked broken (NCCL: its communicator is aborted) and
@@ -316,7 +319,7 @@ class TorchDistBackend:
         comm.allreduce(words, dist.ReduceOp.MAX)
         top_high, top_low, neg_bottom_high, neg_bottom_low = words.tolist()
         if top_high != -neg_bottom_high or top_low != -neg_bottom_low:
-            raise _GroupVerifyFailed("ranks hold different averages after the all-reduce")
+            raise _GroupVerifyFailed("ranks hold different sums after the all-reduce")
 
     async def _in_thread(self, gen: _Generation, fn: Callable[[Comm, _Ticket], T]) -> T:
         """Run ``fn(comm, ticket)`` in an abandonable worker thread tied to ``gen``."""
