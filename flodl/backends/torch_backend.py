@@ -185,6 +185,8 @@ class TorchDistBackend:
         self._current: _Generation | None = None
         self._hosted: dict[int, TCPStore] = {}
         self._graveyard: list[_Corpse] = []
+        self._burials: list[threading.Event] = []
+        """Groups being released in their own threads; :meth:`close` waits for them."""
         self._lock = trio.Lock()
         # Abandoned threads hold a token until their op ends: keep them off trio's default.
         self._limiter = trio.CapacityLimiter(64)
@@ -288,17 +290,30 @@ class TorchDistBackend:
         self._current = _Generation(generation, rank, world_size, comm)
         if old is not None:
             self._retire(old)
-        await self._bury_idle()
+        self._bury_idle()
 
-    async def _bury_idle(self) -> None:
-        """Release, in a worker thread, retired groups whose ops have all ended."""
+    def _bury_idle(self) -> None:
+        """Release retired groups whose ops have all ended, in a thread of their own.
+
+        Not awaited: tearing down a group that held a dead peer takes ~200 ms here, and the
+        new group must not wait for it (it is on the recovery path). :meth:`close` waits for
+        every burial, so no group outlives the process (Pitfall P4).
+        """
         idle = [c for c in self._graveyard if c.idle()]
         if not idle:
             return
         self._graveyard = [c for c in self._graveyard if not c.idle()]
-        await trio.to_thread.run_sync(
-            _release_corpses, idle, self.op_timeout, abandon_on_cancel=True, limiter=self._limiter
-        )
+        done = threading.Event()
+        wait_s = self.op_timeout
+
+        def bury() -> None:
+            try:
+                _release_corpses(idle, wait_s)
+            finally:
+                done.set()
+
+        trio.lowlevel.start_thread_soon(bury, lambda _outcome: None)
+        self._burials.append(done)
 
     # --- rounds ---------------------------------------------------------------------------
 
@@ -476,9 +491,15 @@ class TorchDistBackend:
             self._retire(self._current)
         self._hosted.clear()
         corpses, self._graveyard = self._graveyard, []
-        await trio.to_thread.run_sync(
-            _release_corpses, corpses, self.op_timeout + 5.0, abandon_on_cancel=True
-        )
+        burials, self._burials = self._burials, []
+        wait_s = self.op_timeout + 5.0
+
+        def finish() -> None:
+            for done in burials:
+                done.wait(wait_s)
+            _release_corpses(corpses, wait_s)
+
+        await trio.to_thread.run_sync(finish, abandon_on_cancel=True)
 
 
 def _result(applied: Applied, reduced: Reduced, skipped: bool) -> AverageResult:
