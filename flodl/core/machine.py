@@ -143,7 +143,6 @@ class _Window:
 class _EpochTally:
     loss_sum: float = 0.0
     batches: int = 0
-    samples: int = 0
     wall_ms: dict[int, float] = attrs.field(factory=dict)
     scalars: dict[str, list[float]] = attrs.field(factory=dict)
 
@@ -177,7 +176,6 @@ class CoordinatorMachine:
         self.job: Job | None = None
         self.stats = [RankStats() for _ in range(world_size)]
         self.epoch_results: list[dict[str, Any]] = []
-        self.recoveries: list[dict[str, float]] = []
         policy = config.policy
         self._progressive = policy is not Policy.SYNC
         # Sync runs windows of exactly one batch per rank through the count trigger, so the
@@ -218,7 +216,6 @@ class CoordinatorMachine:
         self._shutdown_pending = False
         self._checkpoint_requests: set[int] = set()
         self._checkpoint_version = 0
-        self._deaths_pending_recovery: list[tuple[int, float]] = []
         self._formed_generation: int | None = None
 
     # --- construction helpers -------------------------------------------------------------
@@ -548,7 +545,6 @@ class CoordinatorMachine:
         window.chunk_reports += 1
         self._awaiting_completion.discard(rank)
         tally = self._tallies.setdefault(metrics.epoch, _EpochTally())
-        tally.samples += metrics.samples_processed
         tally.wall_ms[rank] = tally.wall_ms.get(rank, 0.0) + metrics.epoch_ms
         for name, value in metrics.scalars:
             tally.scalars.setdefault(name, []).append(value)
@@ -657,9 +653,6 @@ class CoordinatorMachine:
     def _round_settled(self, now: float) -> list[Effect]:
         duration = self.cycle.last_sync_duration or 0.0
         self.timeline.add(now, EventKind.SYNC_END, round=self.cycle.round, duration_s=duration)
-        for rank, died_at in self._deaths_pending_recovery:
-            self.recoveries.append({"rank": rank, "detected_at": died_at, "recovered_at": now})
-        self._deaths_pending_recovery = []
         effects: list[Effect] = []
         for rank in sorted(self._checkpoint_requests & self._member_set):
             self._checkpoint_version += 1
@@ -739,8 +732,6 @@ class CoordinatorMachine:
         for rank in lost:
             effects.append(Broadcast(DeclareDead(rank=rank), survivors))
             self.cycle.drop_rank(now, rank)
-            if loss_is_failure(losses, rank):
-                self._deaths_pending_recovery.append((rank, now))
             if self.work is not None and survivors:
                 for target, extension in self.work.reassign(rank, survivors):
                     self._plan[target] += span_batches(extension, self.work.batch_size)
@@ -797,13 +788,5 @@ class CoordinatorMachine:
         return [Broadcast(Shutdown())]
 
 
-def loss_is_failure(losses: Sequence[RankLost], rank: int) -> bool:
-    return any(loss.rank == rank and loss.cause is not LossCause.EXITED for loss in losses)
-
-
 def all_exited(losses: Sequence[RankLost]) -> bool:
     return all(loss.cause is LossCause.EXITED for loss in losses)
-
-
-def counts_by_rank(members: Sequence[int], counts: Sequence[int]) -> Mapping[int, int]:
-    return dict(zip(members, counts, strict=True))
