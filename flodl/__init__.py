@@ -1,10 +1,24 @@
 """flodl: data-parallel training for machines of unequal speed.
 
-Importing flodl is light: torch is imported only by the modules that average parameters.
+The names here are the ones most scripts need; the rest lives in its module:
+``flodl.worker`` (the rank side, used from a training script), ``flodl.coordinator``,
+``flodl.launcher`` (``flodl run``), ``flodl.checkpoint``, ``flodl.testing``. Importing flodl is
+light: torch is imported only by the modules that average parameters or save them.
 """
 
-from flodl.errors import FlodlError
+from flodl.config import CoordinatorConfig, GuardKind, MaxFailure, Policy
+from flodl.errors import FlodlError, ShutdownRequested
+from flodl.wire.messages import SaveReason
 
-__all__ = ["FlodlError", "__version__"]
+__all__ = [
+    "CoordinatorConfig",
+    "FlodlError",
+    "GuardKind",
+    "MaxFailure",
+    "Policy",
+    "SaveReason",
+    "ShutdownRequested",
+    "__version__",
+]
 
 __version__ = "0.1.0"
