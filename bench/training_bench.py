@@ -209,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--anchor", type=int, default=10, help="flodl ElChe initial anchor")
     parser.add_argument("--overhead-target", type=float, default=0.05, help="flodl ElChe")
+    parser.add_argument(
+        "--window-cap-epochs",
+        type=float,
+        default=1.0,
+        help="flodl: a window holds at most this many epochs' batches",
+    )
     parser.add_argument("--rounds", type=int, default=12, help="averaging repetitions")
     args = parser.parse_args(argv)
 
@@ -223,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         overhead_model = {"width": 1024, "layers": 10, "reps": args.rounds, "warmup": 2}
     coordinator = CoordinatorConfig(
-        policy=Policy.CADENCE, anchor=args.anchor, overhead_target=args.overhead_target
+        policy=Policy.CADENCE,
+        anchor=args.anchor,
+        overhead_target=args.overhead_target,
+        window_cap_epochs=args.window_cap_epochs,
     )
     started = time.perf_counter()
 
@@ -279,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 "anchor": coordinator.anchor,
                 "max_anchor": coordinator.max_anchor,
                 "overhead_target": coordinator.overhead_target,
+                "window_cap_epochs": coordinator.window_cap_epochs,
                 "guard": coordinator.guard.value,
             },
             "ddp": "DistributedDataParallel(gloo), default all-reduce hook (timed), "

@@ -27,6 +27,12 @@ def _add_coordinator_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--anchor", type=int, default=10)
     parser.add_argument("--max-batch-diff", type=int, default=None)
+    parser.add_argument(
+        "--window-cap-epochs",
+        type=float,
+        default=1.0,
+        help="a window holds at most this many epochs' batches (default 1, as floDl)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -39,6 +45,7 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         anchor=args.anchor,
         max_anchor=max(1000, args.anchor),
         max_batch_diff=args.max_batch_diff,
+        window_cap_epochs=args.window_cap_epochs,
     )
 
 

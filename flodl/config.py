@@ -79,6 +79,9 @@ class CoordinatorConfig:
     max_overshoot: int = attrs.field(default=3, validator=_at_least_one)
     guard: GuardKind = attrs.field(default=GuardKind.TREND, converter=GuardKind)
     trend_threshold: float = attrs.field(default=0.05, validator=_positive)
+    window_cap_epochs: float | None = attrs.field(default=1.0, validator=_optional_positive)
+    """A window holds at most this many epochs' batches (floDl: 1). None: no cap. Raise it for
+    small data sets, where one epoch is too short to amortise an averaging round."""
     max_failure: MaxFailure | None = None
     collective: bool = True
     """True for gloo/nccl groups: fewer than 2 survivors cannot average (SingleSurvivor)."""

@@ -499,9 +499,10 @@ class CoordinatorMachine:
 
     def _dispatch_window(self) -> list[Effect]:
         assert self.work is not None
-        if self._progressive:
-            # The window cap of floDl: one window never holds more than an epoch's batches.
-            self.elche.set_max_total_batches(max(self.work.epoch_batches, 1))
+        cap_epochs = self.config.window_cap_epochs
+        if self._progressive and cap_epochs is not None:
+            # floDl's window cap: a window holds at most an epoch's batches (by default).
+            self.elche.set_max_total_batches(max(int(self.work.epoch_batches * cap_epochs), 1))
         self._plan = [0] * self.world_size
         effects: list[Effect] = []
         for rank, message in self.work.dispatch_window(self.counts()):

@@ -360,3 +360,15 @@ async def test_a_restarted_rank_rejoins_at_the_next_round(autojump_clock: MockCl
     samples = Counter(s for rank in cluster.ranks for s in rank.record.samples)
     assert len(samples) == 6000 and set(samples.values()) == {1}
     assert cluster.coordinator.machine.members == (0, 1, 2)
+
+
+@pytest.mark.parametrize(("cap_epochs", "expected_total"), [(1.0, 20), (3.0, 60), (None, 60)])
+async def test_window_cap_is_one_epoch_by_default_and_a_setting(
+    autojump_clock: MockClock, cap_epochs: float | None, expected_total: int
+) -> None:
+    # 20 batches per epoch; two equal ranks at anchor 30 want 60 batches per window.
+    config = CoordinatorConfig(anchor=30, window_cap_epochs=cap_epochs)
+    async with open_cluster(fast(2), dataset_size=200, batch_size=10, epochs=6, config=config) as c:
+        await c.coordinator.wait_finished()
+        counts = c.coordinator.machine.counts()
+    assert sum(counts.values()) == expected_total
