@@ -191,6 +191,10 @@ class Cycle:
         """Batches each rank ran since the last round closed its window."""
         return tuple(self._steps)
 
+    def steps_of(self, rank: int) -> int:
+        """Batches ``rank`` ran since the last round closed its window (O(1))."""
+        return self._steps[rank]
+
     @property
     def acked(self) -> frozenset[int]:
         """Members that acknowledged the current round (all members once settled)."""

@@ -523,20 +523,30 @@ class CoordinatorMachine:
         else:
             window.compute_ms += batch.batch_ms
         window.batches += 1
-        epoch = self.work.complete(rank)
+        epoch, left = self.work.complete(rank)
+        idle_now = False
         if epoch is not None:
-            tally = self._tallies.setdefault(epoch, _EpochTally())
+            tally = self._tally(epoch)
             tally.loss_sum += batch.batch_loss if math.isfinite(batch.batch_loss) else 0.0
             tally.batches += 1
-            if self.work.in_flight(rank) == 0:
+            if left == 0:
                 self._awaiting_completion.add(rank)
-        settled = self.cycle.on_batch(now, batch)
-        effects: list[Effect] = []
-        if settled:
-            effects += self._round_settled(now)
-        effects += self.cycle.throttle()
-        effects += self._maybe_trigger(now)
+                idle_now = True
+        # A Batch never settles a round (only SyncAcks do), so there is nothing to settle here.
+        self.cycle.on_batch(now, batch)
+        effects: list[Effect] = list(self.cycle.throttle())
+        # The count trigger can only turn true when this rank reaches its planned count, runs
+        # out of work, or a rank was just throttled (throttled ranks are exempt); every other
+        # report leaves it false, so most reports skip the check.
+        if idle_now or effects or self.cycle.steps_of(rank) >= self._plan[rank]:
+            effects += self._maybe_trigger(now)
         return effects
+
+    def _tally(self, epoch: int) -> _EpochTally:
+        tally = self._tallies.get(epoch)
+        if tally is None:  # not setdefault: that would build a tally on every report
+            tally = self._tallies[epoch] = _EpochTally()
+        return tally
 
     def _on_metrics(self, rank: int, metrics: Metrics, now: float) -> list[Effect]:
         if rank not in self._member_set:
@@ -545,7 +555,7 @@ class CoordinatorMachine:
         window.delivered_ms += metrics.epoch_ms
         window.chunk_reports += 1
         self._awaiting_completion.discard(rank)
-        tally = self._tallies.setdefault(metrics.epoch, _EpochTally())
+        tally = self._tally(metrics.epoch)
         tally.wall_ms[rank] = tally.wall_ms.get(rank, 0.0) + metrics.epoch_ms
         for name, value in metrics.scalars:
             tally.scalars.setdefault(name, []).append(value)

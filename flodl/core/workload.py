@@ -119,13 +119,23 @@ class Workload:
             wanted = {rank: count for rank, count in wanted.items() if count > 0}
         return sends
 
-    def complete(self, rank: int) -> int | None:
-        """Credit one finished batch of ``rank``; the epoch it counted for (None: none held)."""
+    def complete(self, rank: int) -> tuple[int | None, int]:
+        """Credit one finished batch of ``rank`` to the oldest epoch in which it holds work.
+
+        Returns that epoch (None if the rank held none) and the batches the rank still has in
+        flight afterwards, over every epoch.
+        """
+        credited: int | None = None
+        left = 0
         for pool in self._pools:
-            if pool.ledger.in_flight(rank) > 0:
-                pool.complete(rank)
-                return pool.epoch
-        return None
+            ledger = pool.ledger
+            in_flight = ledger.in_flight(rank)
+            if credited is None and in_flight > 0:
+                ledger.complete(rank)
+                credited = pool.epoch
+                in_flight -= 1
+            left += in_flight
+        return credited, left
 
     def reassign(self, dead: int, survivors: Sequence[int]) -> list[tuple[int, ExtendPartition]]:
         """Split ``dead``'s unfinished batches of every epoch among ``survivors``."""

@@ -28,6 +28,7 @@ from flodl.wire.messages import (
     SaveReason,
     Shutdown,
     ShutdownWithSave,
+    Throttle,
 )
 
 
@@ -372,3 +373,18 @@ async def test_window_cap_is_one_epoch_by_default_and_a_setting(
         await c.coordinator.wait_finished()
         counts = c.coordinator.machine.counts()
     assert sum(counts.values()) == expected_total
+
+
+async def test_throttled_run_with_unequal_ranks_completes(autojump_clock: MockClock) -> None:
+    # A rank more than max_batch_diff batches ahead is throttled (and exempt from the count
+    # trigger), so the window must still close, and every sample still be trained once.
+    scripts = [RankScript(ms_per_batch=10), RankScript(ms_per_batch=30)]
+    config = CoordinatorConfig(max_batch_diff=2)
+    async with open_cluster(scripts, dataset_size=2000, batch_size=10, config=config) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.status is Status.COMPLETED
+    assert events(cluster, EventKind.SYNC_END)
+    assert sum(r.record.count(Throttle) for r in cluster.ranks) >= 1
+    samples = Counter(s for rank in cluster.ranks for s in rank.record.samples)
+    assert len(samples) == 2000 and set(samples.values()) == {1}

@@ -42,8 +42,8 @@ def test_only_the_last_window_is_short_and_then_ranks_are_quiesced() -> None:
 def test_completions_credit_the_oldest_epoch_and_finished_epochs_pop_in_order() -> None:
     work = Workload(dataset_size=40, batch_size=10, epochs=3)
     work.dispatch_window({0: 6})  # 4 of epoch 0, 2 of epoch 1
-    assert [work.complete(0) for _ in range(6)] == [0, 0, 0, 0, 1, 1]
-    assert work.complete(0) is None
+    assert [work.complete(0) for _ in range(6)] == [(0, 5), (0, 4), (0, 3), (0, 2), (1, 1), (1, 0)]
+    assert work.complete(0) == (None, 0)
     finished = work.pop_finished()
     assert [pool.epoch for pool in finished] == [0]
     assert work.current_epoch == 1
