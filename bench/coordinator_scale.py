@@ -57,7 +57,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import pstats
 import random
 import subprocess
@@ -67,11 +66,11 @@ import time
 from array import array
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import attrs
+import benchenv
 import trio
 import trio.lowlevel
 
@@ -1066,23 +1065,11 @@ def generator_main(argv: Sequence[str]) -> int:
 
 
 def environment() -> dict[str, object]:
-    def version(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "absent"
-
-    return {
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "load_average_1m": round(os.getloadavg()[0], 2),
-        "clocks": clock_check(),
-        "packages": {name: version(name) for name in ("trio", "cbor2", "attrs", "flodl")},
-    }
+    return benchenv.environment(
+        ("trio", "cbor2", "attrs", "flodl"),
+        usable_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        clocks=clock_check(),
+    )
 
 
 def _at_target(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

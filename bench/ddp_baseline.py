@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -156,4 +157,10 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # The group is destroyed and the report written; a process that then runs torch's
+    # interpreter teardown still aborts now and then with gloo (SIGABRT, Pitfall P4 in
+    # torch-gloo-trio-notes.md; seen here in the smoke test), so leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

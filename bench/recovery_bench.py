@@ -25,16 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import benchenv
 import trio
+from benchenv import load
 
 from flodl.config import CoordinatorConfig
 from flodl.core.cycle import Policy
@@ -52,23 +52,8 @@ TORCHFT_DEFAULT_S = 5.0
 """torchft's recovery time with its default timeouts, as quoted in the issue (reference only)."""
 
 
-def load() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
-def environment() -> dict[str, Any]:
-    def version(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "absent"
-
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "packages": {name: version(name) for name in ("torch", "trio", "flodl")},
-    }
+def environment() -> dict[str, object]:
+    return benchenv.environment(("torch", "trio", "flodl"))
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -28,17 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import benchenv
 import trio
 from averaging_overhead import run_overhead
+from benchenv import load
 from ddp_baseline import run_ddp
 from training_task import TaskConfig
 
@@ -55,23 +55,8 @@ IDLE_TARGET = 0.05
 ACCURACY_GAP_TARGET = 0.5
 
 
-def load() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
-def environment() -> dict[str, Any]:
-    def version(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "absent"
-
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "packages": {name: version(name) for name in ("torch", "trio", "flodl")},
-    }
+def environment() -> dict[str, object]:
+    return benchenv.environment(("torch", "trio", "flodl"))
 
 
 def window(reports: list[dict[str, Any]]) -> float:

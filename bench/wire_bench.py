@@ -26,15 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from importlib import metadata
 from pathlib import Path
 
+import benchenv
 import cbor2
 import trio
 
@@ -207,22 +206,10 @@ def transport_urls(tmp: str) -> dict[str, Callable[[], str]]:
 
 
 def environment() -> dict[str, object]:
-    def version(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "absent"
-
-    return {
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "load_average_1m": os.getloadavg()[0],
-        "packages": {name: version(name) for name in ("trio", "cbor2", "attrs", "flodl")},
-        "cbor2_compiled": cbor2.loads.__module__ != "cbor2._decoder",
-    }
+    return benchenv.environment(
+        ("trio", "cbor2", "attrs", "flodl"),
+        cbor2_compiled=cbor2.loads.__module__ != "cbor2._decoder",
+    )
 
 
 def main() -> int:

@@ -21,6 +21,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "coordinator_scale.py"
 
 
 def load_bench() -> ModuleType:
+    if str(BENCH.parent) not in sys.path:
+        sys.path.insert(0, str(BENCH.parent))  # its sibling modules (benchenv)
     spec = importlib.util.spec_from_file_location("coordinator_scale", BENCH)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
