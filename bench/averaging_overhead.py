@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import benchenv
 import torch
 import torch.distributed as dist
 import trio
@@ -223,27 +223,9 @@ def run_overhead(
             f"--width={width}",
             f"--layers={layers}",
         ]
-        processes = [
-            subprocess.Popen(
-                [*command, f"--rank={r}"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for r in range(world)
-        ]
-        try:
-            deadline = time.monotonic() + timeout
-            outputs = [
-                p.communicate(timeout=max(deadline - time.monotonic(), 1.0))[0] for p in processes
-            ]
-        finally:
-            for p in processes:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(p.returncode != 0 for p in processes):
-            raise RuntimeError("averaging bench ranks failed:\n" + "\n".join(outputs))
+        benchenv.run_ranks(
+            [[*command, f"--rank={r}"] for r in range(world)], timeout, "averaging bench"
+        )
         data = json.loads(out.read_text())
     del flodl_store, bare_store
     return {

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Iterable
+import subprocess
+import time
+from collections.abc import Iterable, Sequence
 from importlib import metadata
 
 
@@ -35,3 +37,29 @@ def environment(packages: Iterable[str], **extra: object) -> dict[str, object]:
         "packages": package_versions(packages),
         **extra,
     }
+
+
+def run_ranks(commands: Sequence[Sequence[str]], timeout: float, what: str) -> list[str]:
+    """Run one process per command (a rank each) to its end; their outputs, by rank.
+
+    Every process has exited when this returns or raises: those still running at the shared
+    deadline are killed. Raises RuntimeError naming the ranks that failed, with all output.
+    """
+    processes = [
+        subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for command in commands
+    ]
+    try:
+        deadline = time.monotonic() + timeout
+        outputs = [
+            p.communicate(timeout=max(deadline - time.monotonic(), 1.0))[0] for p in processes
+        ]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failed = [(rank, p.returncode) for rank, p in enumerate(processes) if p.returncode != 0]
+    if failed:
+        raise RuntimeError(f"{what} ranks failed {failed}:\n" + "\n".join(outputs))
+    return outputs

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import benchenv
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket, TCPStore
@@ -119,28 +119,10 @@ def run_ddp(task: TaskConfig, world: int = 4, timeout: float = 300.0) -> list[di
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmp:
         out = Path(tmp)
         command = [sys.executable, str(HERE), "--world", str(world), "--port", str(store.port)]
-        processes = [
-            subprocess.Popen(
-                [*command, "--rank", str(r), "--out", str(out), *task.args()],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for r in range(world)
+        commands = [
+            [*command, "--rank", str(r), "--out", str(out), *task.args()] for r in range(world)
         ]
-        try:
-            deadline = time.monotonic() + timeout
-            outputs = [
-                p.communicate(timeout=max(deadline - time.monotonic(), 1))[0] for p in processes
-            ]
-        finally:
-            for p in processes:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        failed = [(r, p.returncode) for r, p in enumerate(processes) if p.returncode != 0]
-        if failed:
-            raise RuntimeError(f"DDP ranks failed {failed}:\n" + "\n".join(outputs))
+        benchenv.run_ranks(commands, timeout, "DDP")
         return [json.loads((out / f"ddp{r}.json").read_text()) for r in range(world)]
 
 
