@@ -52,13 +52,18 @@ import argparse
 import contextlib
 import cProfile
 import gc
+import hashlib
 import heapq
+import hmac
 import itertools
 import json
 import math
 import os
 import pstats
 import random
+import select
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -71,6 +76,7 @@ from typing import Any
 
 import attrs
 import benchenv
+import cbor2
 import trio
 import trio.lowlevel
 
@@ -79,8 +85,16 @@ from flodl.coordinator import open_coordinator
 from flodl.core.machine import CoordinatorMachine, Effect
 from flodl.errors import FlodlError
 from flodl.transports import connect
-from flodl.transports.channel import Channel, connect_rank
+from flodl.transports.channel import RECEIVE_CHUNK, Channel, connect_rank
+from flodl.wire.codec import FRAME_MAGIC, PREFIX_SIZE, PROTOCOL_VERSION
+from flodl.wire.handshake import (
+    SERVER_HELLO_SIZE,
+    SessionKeys,
+    check_server_hello,
+    make_client_hello,
+)
 from flodl.wire.messages import (
+    BY_TAG,
     Batch,
     ExtendPartition,
     Heartbeat,
@@ -996,6 +1010,333 @@ def profile(run: Callable[[], object], top: int) -> None:
     stats.sort_stats(pstats.SortKey.CUMULATIVE).print_stats("flodl", top)
 
 
+# --- the split mode's load generator: lean ranks on raw non-blocking sockets -------------------
+#
+# The generator is the load, not the system under test: it must keep its schedule at 1,024
+# ranks on one core, or the coordinator sees bursts a real cluster would not send. So its ranks
+# skip everything a real worker needs and the coordinator cannot see: after the handshake each
+# rank's socket is a plain non-blocking socket; one task waits on an epoll set of all of them;
+# frames are built straight from field dicts (the same CBOR map and MAC the library's encoder
+# produces, byte for byte) and written at once; frames from the coordinator are split by their
+# header and only the payloads the ranks act on are decoded, without checking their MAC.
+
+_FRAME_HEADER = struct.Struct("<IHHIQ")
+"""magic, version, tag, payload length, sequence number (docs/wire.md)."""
+_TAG_NAMES = {cls.TAG: cls.__name__ for cls in BY_TAG.values()}
+RECEIVE_AT_ONCE = 64
+"""Sockets the generator reads before it lets its metronome run (a checkpoint)."""
+
+
+class FrameWriter:
+    """Frames field maps for one direction as :class:`~flodl.wire.codec.FrameEncoder` does."""
+
+    def __init__(self, key: bytes) -> None:
+        self._mac = hmac.new(key, digestmod=hashlib.sha256)
+        self._seq = 0
+
+    def frame(self, tag: int, fields: dict[str, Any]) -> bytes:
+        payload = cbor2.dumps(fields)
+        header = _FRAME_HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, tag, len(payload), self._seq)
+        self._seq += 1
+        mac = self._mac.copy()
+        mac.update(header)
+        mac.update(payload)
+        return b"".join((header, mac.digest(), payload))
+
+
+class FrameSplitter:
+    """Cuts the coordinator's byte stream into (tag, payload) pairs (trusted: no MAC check)."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        buffer = self._buffer + data if self._buffer else data
+        frames: list[tuple[int, bytes]] = []
+        at = 0
+        while len(buffer) - at >= PREFIX_SIZE:
+            _, _, tag, length, _ = _FRAME_HEADER.unpack_from(buffer, at)
+            end = at + PREFIX_SIZE + length
+            if end > len(buffer):
+                break
+            frames.append((tag, buffer[at + PREFIX_SIZE : end]))
+            at = end
+        self._buffer = buffer[at:]
+        return frames
+
+
+class SyncMetronome:
+    """:class:`Metronome` for actions that do not wait: a due slot runs all of them in one go."""
+
+    SLOT_S = Metronome.SLOT_S
+
+    def __init__(self, recorder: Recorder) -> None:
+        self._pending: list[tuple[int, int, float, Callable[[float], None]]] = []
+        self._order = itertools.count()
+        self._fired_through = math.floor(trio.current_time() / self.SLOT_S)
+        self._recorder = recorder
+
+    def at(self, when: float, action: Callable[[float], None]) -> None:
+        """Run ``action(now)`` in the first slot at or after ``when`` (not an already fired one)."""
+        slot = max(math.ceil(when / self.SLOT_S), self._fired_through + 1)
+        heapq.heappush(self._pending, (slot, next(self._order), when, action))
+
+    async def run(self) -> None:
+        """Fire the slots as their time comes (late ones all at once) until cancelled; while
+        the recorder measures, each action's lag (start minus scheduled time) is recorded."""
+        pending = self._pending
+        recorder = self._recorder
+        while True:
+            await trio.sleep_until((self._fired_through + 1) * self.SLOT_S)
+            now = trio.current_time()
+            self._fired_through = math.floor(now / self.SLOT_S)
+            while pending and pending[0][0] <= self._fired_through:
+                _, _, when, action = heapq.heappop(pending)
+                if recorder.measuring:
+                    recorder.rank_lag.append(trio.current_time() - when)
+                action(now)
+
+
+class WireRank:
+    """One simulated rank of the generator: the work protocol of :class:`LeanRank`, with each
+    message stamped with its send time (:func:`stamp_message`'s fields) and written at once."""
+
+    def __init__(
+        self,
+        rank: int,
+        hub: WireGenerator,
+        sock: socket.socket,
+        keys: SessionKeys,
+        batch_phase: float,
+        heartbeat_phase: float,
+    ) -> None:
+        self.rank = rank
+        self.hub = hub
+        self.sock = sock
+        self.writer = FrameWriter(keys.to_coordinator)
+        self.splitter = FrameSplitter()
+        self.unsent = bytearray()
+        """Bytes the socket did not take yet (written when it is writable again)."""
+        self.open = True
+        self.batch_phase = batch_phase
+        self.heartbeat_phase = heartbeat_phase
+        self.work = 0
+        self.epoch = 0
+        self.step_count = 0
+        self.chunk_batches = 0
+        self.chunk_started = 0.0
+        self.throttled = False
+        self.next_tick: float | None = None
+
+    def send(self, tag: int, fields: dict[str, Any]) -> None:
+        if self.open:
+            self.hub.write(self, self.writer.frame(tag, fields))
+            if self.hub.recorder.measuring:
+                self.hub.recorder.sent[_TAG_NAMES[tag]] += 1
+
+    def heartbeat(self, now: float) -> None:
+        if not self.open:
+            return
+        self.hub.metronome.at(now + HEARTBEAT_PERIOD_S, self.heartbeat)
+        at = round(time.perf_counter() * 1e6)
+        self.send(Heartbeat.TAG, {"rank": self.rank, "step_count": at})
+
+    def resume_batches(self) -> None:
+        if self.next_tick is None and self.work > 0 and not self.throttled:
+            self.next_tick = _next_grid_tick(trio.current_time(), self.batch_phase, BATCH_PERIOD_S)
+            self.hub.metronome.at(self.next_tick, self.batch)
+
+    def batch(self, now: float) -> None:
+        tick = self.next_tick
+        assert tick is not None
+        if not self.open or self.work == 0 or self.throttled:
+            self.next_tick = None
+            return
+        next_tick = tick + BATCH_PERIOD_S
+        if next_tick <= now:
+            if self.hub.recorder.measuring:
+                self.hub.recorder.late_rank_ticks += 1
+            next_tick = _next_grid_tick(now, self.batch_phase, BATCH_PERIOD_S)
+        self.next_tick = next_tick
+        self.hub.metronome.at(next_tick, self.batch)
+        if self.chunk_batches == 0:
+            self.chunk_started = now - BATCH_PERIOD_S
+        self.work -= 1
+        self.step_count += 1
+        self.chunk_batches += 1
+        at = time.perf_counter()
+        self.send(
+            Batch.TAG,
+            {
+                "rank": self.rank,
+                "batch_ms": BATCH_PERIOD_S * 1000.0,
+                "data_ms": 0.0,
+                "step_count": self.step_count,
+                "batch_loss": at,
+                "param_norm": None,
+                "sync_divergence": None,
+            },
+        )
+        if self.work == 0:
+            self.send(
+                Metrics.TAG,
+                {
+                    "rank": self.rank,
+                    "epoch": self.epoch,
+                    "avg_loss": at,
+                    "batches_processed": self.chunk_batches,
+                    "samples_processed": self.chunk_batches,
+                    "epoch_ms": (now - self.chunk_started) * 1000.0,
+                    "scalars": {},
+                },
+            )
+            self.chunk_batches = 0
+
+    def received(self, tag: int, payload: bytes) -> None:
+        """Act on one frame from the coordinator (as :meth:`LeanRank.receive` does)."""
+        if tag == StartEpoch.TAG or tag == ExtendPartition.TAG:
+            fields = cbor2.loads(payload)
+            self.epoch = fields["epoch"]
+            self.work += fields["partition_size" if tag == StartEpoch.TAG else "size"]
+            self.resume_batches()
+        elif tag == SyncNow.TAG:
+            self.throttled = False
+            self.resume_batches()
+            self.step_count += 1
+            ack = {
+                "rank": self.rank,
+                "round": cbor2.loads(payload)["round"],
+                "step_count": self.step_count,
+                "divergence": None,
+                "post_norm": None,
+                "pre_norm": time.perf_counter(),
+            }
+            self.send(SyncAck.TAG, ack)
+        elif tag == RequestNewGroup.TAG:
+            generation = cbor2.loads(payload)["generation"]
+            self.send(
+                NewGroupReady.TAG, {"rank": self.rank, "generation": generation, "info": b"sim"}
+            )
+        elif tag == Throttle.TAG:
+            self.throttled = True
+        elif tag == Shutdown.TAG or tag == ShutdownWithSave.TAG:
+            self.hub.close(self)
+
+
+class WireGenerator:
+    """The generator's ranks, their sockets (one epoll set) and their metronome."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self.metronome = SyncMetronome(recorder)
+        self._epoll = select.epoll()
+        self._by_fd: dict[int, WireRank] = {}
+
+    def add(self, rank: WireRank) -> None:
+        self._by_fd[rank.sock.fileno()] = rank
+        self._epoll.register(rank.sock.fileno(), select.EPOLLIN)
+
+    def write(self, rank: WireRank, data: bytes) -> None:
+        """Write ``data`` now, or queue it behind bytes the socket has not taken yet."""
+        if rank.unsent:
+            rank.unsent += data
+            return
+        try:
+            sent = rank.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.close(rank)
+            return
+        if sent < len(data):
+            rank.unsent += data[sent:]
+            self._epoll.modify(rank.sock.fileno(), select.EPOLLIN | select.EPOLLOUT)
+
+    def _flush(self, rank: WireRank) -> None:
+        try:
+            sent = rank.sock.send(rank.unsent)
+        except BlockingIOError:
+            return
+        except OSError:
+            self.close(rank)
+            return
+        del rank.unsent[:sent]
+        if not rank.unsent:
+            self._epoll.modify(rank.sock.fileno(), select.EPOLLIN)
+
+    def close(self, rank: WireRank) -> None:
+        if rank.open:
+            rank.open = False
+            del self._by_fd[rank.sock.fileno()]
+            self._epoll.unregister(rank.sock.fileno())
+            rank.sock.close()
+
+    def close_all(self) -> None:
+        for rank in list(self._by_fd.values()):
+            self.close(rank)
+        self._epoll.close()
+
+    async def serve(self) -> None:
+        """Read every socket that is ready, a few dozen between checkpoints; until cancelled."""
+        epoll = self._epoll
+        while True:
+            await trio.lowlevel.wait_readable(epoll.fileno())
+            events = epoll.poll(0)
+            for start in range(0, len(events), RECEIVE_AT_ONCE):
+                if start:
+                    await trio.lowlevel.checkpoint()
+                for fd, flags in events[start : start + RECEIVE_AT_ONCE]:
+                    rank = self._by_fd.get(fd)
+                    if rank is not None:
+                        self._ready(rank, flags)
+
+    def _ready(self, rank: WireRank, flags: int) -> None:
+        if flags & select.EPOLLOUT and rank.unsent:
+            self._flush(rank)
+        if not flags & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) or not rank.open:
+            return
+        try:
+            data = rank.sock.recv(RECEIVE_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.close(rank)
+            return
+        measuring = self.recorder.measuring
+        for tag, payload in rank.splitter.feed(data):
+            if measuring:
+                self.recorder.delivered[_TAG_NAMES.get(tag, str(tag))] += 1
+            rank.received(tag, payload)
+            if not rank.open:
+                return
+
+
+async def open_wire_rank(
+    url: str, key: bytes, rank: int, world_size: int
+) -> tuple[socket.socket, SessionKeys]:
+    """Connect and complete the handshake for ``rank``; its socket (non-blocking) and keys."""
+    stream = await connect(url)
+    try:
+        hello, state = make_client_hello(key, rank, world_size)
+        await stream.send_all(hello)
+        reply = b""
+        while len(reply) < SERVER_HELLO_SIZE:
+            data = await stream.receive_some(SERVER_HELLO_SIZE - len(reply))
+            if not data:
+                raise RuntimeError(f"rank {rank}: the coordinator hung up during the handshake")
+            reply += data
+        keys = check_server_hello(reply, state)
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    assert isinstance(stream, trio.SocketStream)
+    sock = socket.socket(fileno=stream.socket.detach())
+    sock.setblocking(False)
+    return sock, keys
+
+
 # --- the generator child process --------------------------------------------------------------
 
 
@@ -1007,41 +1348,57 @@ async def run_generator(url: str, ranks: range, world_size: int, seed: int) -> N
     mode does, so a rank has the same phases in both modes.
     """
     recorder = Recorder(world_size)
-    metronome = Metronome(recorder)
+    hub = WireGenerator(recorder)
     rng = random.Random(seed)
+    phases = [
+        (rng.uniform(0.0, BATCH_PERIOD_S), rng.uniform(0.0, HEARTBEAT_PERIOD_S))
+        for _ in range(world_size)
+    ]
     limiter = trio.CapacityLimiter(CONNECT_AT_ONCE)
     control = LineReader(trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())))
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(metronome.run)
-        for rank in range(world_size):
-            lean = LeanRank(rank, world_size, recorder, metronome, rng, stamp=True)
-            if rank in ranks:
-                nursery.start_soon(lean.run, url, KEY, limiter)
-        cpu_before = wall_before = 0.0
-        while (line := await control.next_line()) is not None:
-            if line == b"start":
-                cpu_before, wall_before = time.process_time(), time.perf_counter()
-                recorder.measuring = True
-            elif line == b"stop":
-                recorder.measuring = False
-                cpu = time.process_time() - cpu_before
-                wall = time.perf_counter() - wall_before
-                stats = {
-                    "pid": os.getpid(),
-                    "first_rank": ranks.start,
-                    "ranks": len(ranks),
-                    "cores": sorted(os.sched_getaffinity(0)),
-                    "seconds": round(wall, 3),
-                    "cpu_s": round(cpu, 3),
-                    "cpu_share_of_wall": round(cpu / wall, 3),
-                    "sent_per_s": round(sum(recorder.sent.values()) / wall, 1),
-                    "sent_by_kind": dict(sorted(recorder.sent.items())),
-                    "received_by_kind": dict(sorted(recorder.delivered.items())),
-                    "lag": summarize_ms(recorder.rank_lag),
-                    "late_rank_ticks": recorder.late_rank_ticks,
-                }
-                print(json.dumps(stats), flush=True)
-        nursery.cancel_scope.cancel()
+
+    async def join(rank: int) -> None:
+        async with limiter:
+            sock, keys = await open_wire_rank(url, KEY, rank, world_size)
+        wire = WireRank(rank, hub, sock, keys, *phases[rank])
+        hub.add(wire)
+        ready = {"rank": rank, "dataset_size": DATASET_SIZE, "batch_size": 1, "epochs": 1}
+        wire.send(Ready.TAG, ready)
+        hub.metronome.at(trio.current_time() + wire.heartbeat_phase, wire.heartbeat)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hub.metronome.run)
+            nursery.start_soon(hub.serve)
+            for rank in ranks:
+                nursery.start_soon(join, rank)
+            cpu_before = wall_before = 0.0
+            while (line := await control.next_line()) is not None:
+                if line == b"start":
+                    cpu_before, wall_before = time.process_time(), time.perf_counter()
+                    recorder.measuring = True
+                elif line == b"stop":
+                    recorder.measuring = False
+                    cpu = time.process_time() - cpu_before
+                    wall = time.perf_counter() - wall_before
+                    stats = {
+                        "pid": os.getpid(),
+                        "first_rank": ranks.start,
+                        "ranks": len(ranks),
+                        "cores": sorted(os.sched_getaffinity(0)),
+                        "seconds": round(wall, 3),
+                        "cpu_s": round(cpu, 3),
+                        "cpu_share_of_wall": round(cpu / wall, 3),
+                        "sent_per_s": round(sum(recorder.sent.values()) / wall, 1),
+                        "sent_by_kind": dict(sorted(recorder.sent.items())),
+                        "received_by_kind": dict(sorted(recorder.delivered.items())),
+                        "lag": summarize_ms(recorder.rank_lag),
+                        "late_rank_ticks": recorder.late_rank_ticks,
+                    }
+                    print(json.dumps(stats), flush=True)
+            nursery.cancel_scope.cancel()
+    finally:
+        hub.close_all()
 
 
 def generator_main(argv: Sequence[str]) -> int:
