@@ -64,6 +64,9 @@ class RankScript:
     """How one scripted rank behaves. Times are in trio seconds (milliseconds where named)."""
 
     ms_per_batch: float = 10.0
+    ms_per_batch_after: tuple[int, float] | None = None
+    """``(n, ms)``: from its ``n``-th batch on, the rank's batches take ``ms`` (a speed change,
+    as when another job starts sharing the machine)."""
     data_ms: float = 0.0
     collective_ms: float = 1.0
     die_after_batches: int | None = None
@@ -279,7 +282,12 @@ class ScriptedRank:
             end = offset + size
             while position < end:
                 batch = min(self._batch_size, end - position)
-                await trio.sleep((script.ms_per_batch + script.data_ms) / 1000.0)
+                batch_ms = script.ms_per_batch
+                if script.ms_per_batch_after is not None:
+                    change_at, changed_ms = script.ms_per_batch_after
+                    if self.record.batches >= change_at:
+                        batch_ms = changed_ms
+                await trio.sleep((batch_ms + script.data_ms) / 1000.0)
                 self.record.samples.extend((epoch, p) for p in range(position, position + batch))
                 position += batch
                 batches += 1
@@ -290,7 +298,7 @@ class ScriptedRank:
                     channel,
                     Batch(
                         rank=self.rank,
-                        batch_ms=script.ms_per_batch,
+                        batch_ms=batch_ms,
                         data_ms=script.data_ms,
                         step_count=self._step_count,
                         batch_loss=1.0 / self.record.batches,

@@ -32,6 +32,7 @@ from flodl.config import CoordinatorConfig
 from flodl.core.cycle import Cycle, Policy
 from flodl.core.effects import Broadcast, Send
 from flodl.core.elche import ElChe, RankWindow, elche_for_world
+from flodl.core.fill import IdleFill
 from flodl.core.guards import Guard, make_guard
 from flodl.core.liveness import Liveness, LossCause, RankLost, unrecoverable_reason
 from flodl.core.partitions import ChunkPool
@@ -134,6 +135,7 @@ class _Window:
 
     batches: int = 0
     fill_ms: float = 0.0
+    last_report_at: float | None = None
     compute_ms: float = 0.0
     delivered_ms: float = 0.0
     chunk_reports: int = 0
@@ -209,7 +211,10 @@ class CoordinatorMachine:
         self._plan = [0] * world_size
         self._windows = [_Window() for _ in range(world_size)]
         self._awaiting_completion: set[int] = set()
+        self._filling: set[int] = set()
+        """Ranks running an extra batch of the idle fill: the round waits for it."""
         self._window_wait_until: float | None = None
+        self._idle_fill = IdleFill()
         self._divergences: list[float] = []
         self._tallies: dict[int, _EpochTally] = {}
         self._join_deadline: float | None = now + join_timeout
@@ -523,6 +528,7 @@ class CoordinatorMachine:
         else:
             window.compute_ms += batch.batch_ms
         window.batches += 1
+        window.last_report_at = now
         epoch, left = self.work.complete(rank)
         idle_now = False
         if epoch is not None:
@@ -531,6 +537,7 @@ class CoordinatorMachine:
             tally.batches += 1
             if left == 0:
                 self._awaiting_completion.add(rank)
+                self._filling.discard(rank)
                 idle_now = True
         # A Batch never settles a round (only SyncAcks do), so there is nothing to settle here.
         self.cycle.on_batch(now, batch)
@@ -539,8 +546,43 @@ class CoordinatorMachine:
         # out of work, or a rank was just throttled (throttled ranks are exempt); every other
         # report leaves it false, so most reports skip the check.
         if idle_now or effects or self.cycle.steps_of(rank) >= self._plan[rank]:
+            round_before = self.cycle.round
             effects += self._maybe_trigger(now)
+            if idle_now and self.cycle.round == round_before and self._worth_filling(rank, now):
+                effects += self._fill(rank)
         return effects
+
+    def _worth_filling(self, rank: int, now: float) -> bool:
+        """Cadence: should ``rank``, out of work before the round triggered, get one more
+        batch? See :mod:`flodl.core.fill`."""
+        if (
+            not self.config.fill_idle_ranks
+            or self.config.policy is not Policy.CADENCE
+            or self.config.max_batch_diff is not None  # a throttled rank would not run it
+            or self.phase is not Phase.TRAINING
+            or self._window_wait_until is not None
+            or self.rendezvous.pending
+            or self.work is None
+            or self.work.exhausted
+        ):
+            return False
+        alive = self.alive
+        return self._idle_fill.worth_filling(
+            rank,
+            now,
+            steps_of=self.cycle.steps_of,
+            last_report_at=lambda r: self._windows[r].last_report_at,
+            working=lambda r: r in self._member_set and r in alive,
+        )
+
+    def _fill(self, rank: int) -> list[Effect]:
+        assert self.work is not None
+        sends: list[Effect] = [
+            Send(r, message) for r, message in self.work.dispatch_window({rank: 1})
+        ]
+        if sends:
+            self._filling.add(rank)  # a round triggered meanwhile waits for this batch
+        return sends
 
     def _tally(self, epoch: int) -> _EpochTally:
         tally = self._tallies.get(epoch)
@@ -578,9 +620,10 @@ class CoordinatorMachine:
         return effects
 
     def _movers_awaited(self) -> bool:
-        if not self._awaiting_completion:  # the usual case: skip building O(world) sets
-            return False
-        return bool(self._awaiting_completion & self.alive & self._member_set)
+        if not self._awaiting_completion and not self._filling:
+            return False  # the usual case: skip building O(world) sets
+        awaited = self._awaiting_completion | self._filling
+        return bool(awaited & self.alive & self._member_set)
 
     def _quiesced(self) -> frozenset[int]:
         """Members the trigger exempts: nothing in flight once no work is left anywhere."""
@@ -627,10 +670,13 @@ class CoordinatorMachine:
         self._feed_elche(started.steps, delivered, now)
         self._windows = [_Window() for _ in range(self.world_size)]
         self._awaiting_completion.clear()
+        self._filling.clear()
         assert self.work is not None
         if self.work.exhausted:
             return effects
-        return effects + self._dispatch_window()
+        effects += self._dispatch_window()
+        self._idle_fill.begin_window(self._plan, self.ms_per_batch(), now)
+        return effects
 
     def _feed_elche(self, steps: Sequence[int], delivered: bool, now: float) -> None:
         if self.config.policy is Policy.SYNC or not any(steps):
@@ -748,6 +794,7 @@ class CoordinatorMachine:
                     self._plan[target] += span_batches(extension, self.work.batch_size)
                     effects.append(Send(target, extension))
             self._awaiting_completion.discard(rank)
+            self._filling.discard(rank)
         if unrecoverable := self._unrecoverable():
             return effects + self._save(unrecoverable, now, why)
         if not lost:
