@@ -83,9 +83,9 @@ class CoordinatorConfig:
     """A window holds at most this many epochs' batches (floDl: 1). None: no cap. Raise it for
     small data sets, where one epoch is too short to amortise an averaging round."""
     fill_idle_ranks: bool = True
-    """Cadence: a rank that has run its count while others still work is given one more batch
-    at a time rather than waiting at the barrier, unless the window is expected to end within
-    half of its batch (beyond floDl, whose fast ranks wait; see docs/concepts.md)."""
+    """Cadence: a rank that has run its count while others still work is given the batches that
+    fit in the time they still need, rather than waiting at the barrier (beyond floDl, whose
+    fast ranks wait; see flodl/core/fill.py). Not with ``max_batch_diff``."""
     max_failure: MaxFailure | None = None
     collective: bool = True
     """True for gloo/nccl groups: fewer than 2 survivors cannot average (SingleSurvivor)."""

@@ -1,10 +1,10 @@
-"""Cadence's idle fill: whether a rank that ran out of work before the round should get more.
+"""Cadence's idle fill: how many more batches a rank that ran out of work before the round gets.
 
 ElChe sizes each window so that every rank should finish together, but measured speeds drift
 (most of all on shared machines), so some ranks run out early. Rather than leave such a rank
-waiting at the barrier, the coordinator may hand it one more batch. That pays only when the
-others still need longer than about half of that batch: otherwise the extra batch would hold
-the round up for longer than the rank would have waited.
+waiting at the barrier, the coordinator hands it as many batches as fit, at its speed, in the
+time the others still need, rounded to the nearest whole batch: none when that is under half
+a batch (the extra batch would hold the round up for longer than the rank would have waited).
 
 The rank that decides is the one still working whose plan was expected to take longest (the
 *critical* rank); its remaining time is estimated from its own progress. Ranks are sorted once
@@ -14,6 +14,7 @@ matters with a thousand ranks going idle one after another. Pure: no I/O, time i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 
@@ -44,23 +45,23 @@ class IdleFill:
             return
         self._by_span = sorted(planned, key=lambda rank: -plan[rank] * ms_per_batch[rank])
 
-    def worth_filling(
+    def extra_batches(
         self,
         rank: int,
         now: float,
         steps_of: Callable[[int], int],
         last_report_at: Callable[[int], float | None],
         working: Callable[[int], bool],
-    ) -> bool:
-        """Should ``rank`` (out of work, round not triggered) get one more batch?
+    ) -> int:
+        """How many batches ``rank`` (out of work, round not triggered) should get now.
 
         ``steps_of(r)``: batches ``r`` ran in this window; ``last_report_at(r)``: when its last
         batch report came (None: none yet this window); ``working(r)``: ``r`` is still a live
-        member. False when uncalibrated or when every planned rank is done.
+        member. 0 when uncalibrated or when every planned rank is done.
         """
         ms = self._ms.get(rank)
-        if ms is None or not self._by_span:
-            return False
+        if ms is None or ms <= 0 or not self._by_span:
+            return 0
         while self._cursor < len(self._by_span):
             critical = self._by_span[self._cursor]
             left = self._plan[critical] - steps_of(critical)
@@ -68,11 +69,11 @@ class IdleFill:
                 break
             self._cursor += 1
         else:
-            return False
+            return 0
         critical_ms = self._ms[critical]
         since = last_report_at(critical)
         started = self._started_at if since is None else since
         remaining_ms = left * critical_ms - (now - started) * 1000.0
         if remaining_ms < -critical_ms / 2.0:
             remaining_ms = critical_ms / 2.0  # long overdue: its batch may take a while yet
-        return remaining_ms >= ms / 2.0
+        return max(math.floor(remaining_ms / ms + 0.5), 0)

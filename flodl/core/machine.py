@@ -548,13 +548,13 @@ class CoordinatorMachine:
         if idle_now or effects or self.cycle.steps_of(rank) >= self._plan[rank]:
             round_before = self.cycle.round
             effects += self._maybe_trigger(now)
-            if idle_now and self.cycle.round == round_before and self._worth_filling(rank, now):
-                effects += self._fill(rank)
+            if idle_now and self.cycle.round == round_before:
+                effects += self._fill(rank, self._extra_batches(rank, now))
         return effects
 
-    def _worth_filling(self, rank: int, now: float) -> bool:
-        """Cadence: should ``rank``, out of work before the round triggered, get one more
-        batch? See :mod:`flodl.core.fill`."""
+    def _extra_batches(self, rank: int, now: float) -> int:
+        """Cadence: how many batches ``rank``, out of work before the round triggered, should
+        get now (see :mod:`flodl.core.fill`)."""
         if (
             not self.config.fill_idle_ranks
             or self.config.policy is not Policy.CADENCE
@@ -565,9 +565,9 @@ class CoordinatorMachine:
             or self.work is None
             or self.work.exhausted
         ):
-            return False
+            return 0
         alive = self.alive
-        return self._idle_fill.worth_filling(
+        return self._idle_fill.extra_batches(
             rank,
             now,
             steps_of=self.cycle.steps_of,
@@ -575,10 +575,11 @@ class CoordinatorMachine:
             working=lambda r: r in self._member_set and r in alive,
         )
 
-    def _fill(self, rank: int) -> list[Effect]:
-        assert self.work is not None
+    def _fill(self, rank: int, batches: int) -> list[Effect]:
+        if batches <= 0 or self.work is None:
+            return []
         sends: list[Effect] = [
-            Send(r, message) for r, message in self.work.dispatch_window({rank: 1})
+            Send(r, message) for r, message in self.work.dispatch_window({rank: batches})
         ]
         if sends:
             self._filling.add(rank)  # a round triggered meanwhile waits for this batch

@@ -18,8 +18,8 @@ def ask(
     steps: list[int],
     reports: list[float | None],
     dead: frozenset[int] = frozenset(),
-) -> bool:
-    return fill.worth_filling(
+) -> int:
+    return fill.extra_batches(
         rank,
         now,
         steps_of=lambda r: steps[r],
@@ -30,51 +30,54 @@ def ask(
 
 def test_uncalibrated_windows_are_never_filled() -> None:
     fill = fill_for([10, 4], {0: 10.0})  # rank 1 has no timing yet
-    assert not ask(fill, 0, 0.1, [10, 0], [0.1, None])
+    assert ask(fill, 0, 0.1, [10, 0], [0.1, None]) == 0
 
 
-def test_fills_while_the_critical_rank_needs_at_least_half_a_batch_of_the_idle_one() -> None:
+def test_gives_the_batches_that_fit_in_the_critical_ranks_remaining_time() -> None:
     # Spans: rank 0 10 x 10 ms = 100 ms, rank 1 4 x 30 ms = 120 ms: rank 1 is critical.
     fill = fill_for([10, 4], {0: 10.0, 1: 30.0}, start=5.0)
-    # Rank 1 has 1 batch left, begun 10 ms ago: 20 ms remain >= 5 ms (half of rank 0's).
-    assert ask(fill, 0, 5.100, [10, 3], [5.100, 5.090])
-    # Begun 22 ms ago: 8 ms remain -> fill; 28 ms ago: 2 ms remain -> no fill.
-    assert ask(fill, 0, 5.100, [10, 3], [5.100, 5.078])
-    assert not ask(fill, 0, 5.100, [10, 3], [5.100, 5.072])
+    # Rank 1 has 1 batch left, begun 6 ms ago: 24 ms remain = 2.4 of rank 0's batches -> 2.
+    assert ask(fill, 0, 5.100, [10, 3], [5.100, 5.094]) == 2
+    # 10 ms ago: 20 ms remain -> 2 (2.0); 14 ms ago: 16 ms -> 2 (1.6); 22 ms ago: 8 ms -> 1.
+    assert ask(fill, 0, 5.100, [10, 3], [5.100, 5.090]) == 2
+    assert ask(fill, 0, 5.100, [10, 3], [5.100, 5.086]) == 2
+    assert ask(fill, 0, 5.100, [10, 3], [5.100, 5.078]) == 1
+    # 28 ms ago: 2 ms remain, under half of rank 0's batch -> none.
+    assert ask(fill, 0, 5.100, [10, 3], [5.100, 5.072]) == 0
 
 
 def test_a_critical_rank_without_reports_counts_from_the_window_start() -> None:
     fill = fill_for([10, 4], {0: 10.0, 1: 30.0}, start=5.0)
-    # 4 batches left from 5.0: 120 ms - 100 ms = 20 ms remain.
-    assert ask(fill, 0, 5.100, [10, 0], [5.100, None])
+    # 4 batches left from 5.0: 120 ms - 100 ms = 20 ms remain: 2 of rank 0's batches.
+    assert ask(fill, 0, 5.100, [10, 0], [5.100, None]) == 2
 
 
 def test_a_long_overdue_critical_rank_counts_as_half_a_batch_away() -> None:
     fill = fill_for([10, 4], {0: 10.0, 1: 30.0})
-    # 1 batch of 30 ms begun 100 ms ago: overdue by 70 ms, so assume 15 ms remain.
-    assert ask(fill, 0, 0.100, [10, 3], [0.100, 0.0])
+    # 1 batch of 30 ms begun 100 ms ago: overdue by 70 ms, so assume 15 ms remain -> 2.
+    assert ask(fill, 0, 0.100, [10, 3], [0.100, 0.0]) == 2
     # Overdue by only 10 ms (< half its batch): it is about to finish, no fill.
-    assert not ask(fill, 0, 0.100, [10, 3], [0.100, 0.060])
+    assert ask(fill, 0, 0.100, [10, 3], [0.100, 0.060]) == 0
 
 
 def test_done_or_dead_critical_ranks_hand_over_to_the_next_longest_plan() -> None:
     # Spans 100, 120, 100 ms: order 1, then 0 and 2 (ties keep rank order).
     fill = fill_for([10, 4, 10], {0: 10.0, 1: 30.0, 2: 10.0})
     # Rank 1 is done, rank 0 is idle: rank 2 decides (1 batch left, begun 2 ms ago -> 8 ms).
-    assert ask(fill, 0, 0.2, [10, 4, 9], [0.2, 0.15, 0.198])
-    assert not ask(fill, 0, 0.2, [10, 4, 9], [0.2, 0.15, 0.192])
+    assert ask(fill, 0, 0.2, [10, 4, 9], [0.2, 0.15, 0.198]) == 1
+    assert ask(fill, 0, 0.2, [10, 4, 9], [0.2, 0.15, 0.192]) == 0
     # Rank 1 dead with work left: skipped the same way.
     fill = fill_for([10, 4, 10], {0: 10.0, 1: 30.0, 2: 10.0})
-    assert ask(fill, 0, 0.2, [10, 1, 9], [0.2, 0.05, 0.198], dead=frozenset({1}))
+    assert ask(fill, 0, 0.2, [10, 1, 9], [0.2, 0.05, 0.198], dead=frozenset({1})) == 1
 
 
 def test_no_fill_once_every_planned_rank_is_done() -> None:
     fill = fill_for([10, 4], {0: 10.0, 1: 30.0})
-    assert not ask(fill, 0, 0.2, [10, 4], [0.2, 0.2])
+    assert ask(fill, 0, 0.2, [10, 4], [0.2, 0.2]) == 0
 
 
 def test_a_new_window_resets_the_critical_rank() -> None:
     fill = fill_for([10, 4], {0: 10.0, 1: 30.0})
-    assert not ask(fill, 0, 0.2, [10, 4], [0.2, 0.2])  # cursor past every rank
+    assert ask(fill, 0, 0.2, [10, 4], [0.2, 0.2]) == 0  # cursor past every rank
     fill.begin_window([10, 4], {0: 10.0, 1: 30.0}, 1.0)
-    assert ask(fill, 0, 1.1, [10, 3], [1.1, 1.09])
+    assert ask(fill, 0, 1.1, [10, 3], [1.1, 1.09]) == 2
