@@ -27,53 +27,115 @@ class IdleFill:
         self._cursor = 0
         self._started_at = 0.0
         self._plan: Sequence[int] = ()
+        self._last_report: dict[int, float] = {}
+        self._pace: dict[int, float] = {}
+        """Uncalibrated windows: each rank's latest batch time (ms) in this window."""
+        self._slowest: int | None = None
+        self._unreported = 0
+
+    @property
+    def calibrated(self) -> bool:
+        """The current window has ElChe timings for every planned rank."""
+        return bool(self._by_span)
 
     def begin_window(
         self, plan: Sequence[int], ms_per_batch: Mapping[int, float], now: float
     ) -> None:
         """A window was dispatched at ``now``: ``plan[rank]`` batches at ElChe's timings.
 
-        Ranks with a plan but no timing make the window uncalibrated: no fill in it.
+        When a planned rank has no timing yet (the run's first windows), the window is
+        *uncalibrated*: the decision then uses the batch times reported in the window itself.
         """
         self._plan = plan
         self._ms = ms_per_batch
         self._started_at = now
         self._cursor = 0
+        self._last_report = {}
+        self._pace = {}
+        self._slowest = None
         planned = [rank for rank, count in enumerate(plan) if count > 0]
+        self._unreported = len(planned)
         if any(rank not in ms_per_batch for rank in planned):
             self._by_span = []
             return
         self._by_span = sorted(planned, key=lambda rank: -plan[rank] * ms_per_batch[rank])
+
+    def on_batch(self, rank: int, now: float, batch_ms: float) -> None:
+        """``rank`` reported a finished batch that took ``batch_ms``. O(1)."""
+        self._last_report[rank] = now
+        if self._by_span:
+            return
+        if rank not in self._pace and rank < len(self._plan) and self._plan[rank] > 0:
+            self._unreported -= 1
+        self._pace[rank] = batch_ms
+        slowest = self._slowest
+        if slowest is None or batch_ms > self._pace[slowest]:
+            self._slowest = rank
 
     def extra_batches(
         self,
         rank: int,
         now: float,
         steps_of: Callable[[int], int],
-        last_report_at: Callable[[int], float | None],
         working: Callable[[int], bool],
     ) -> int:
         """How many batches ``rank`` (out of work, round not triggered) should get now.
 
-        ``steps_of(r)``: batches ``r`` ran in this window; ``last_report_at(r)``: when its last
-        batch report came (None: none yet this window); ``working(r)``: ``r`` is still a live
-        member. 0 when uncalibrated or when every planned rank is done.
+        ``steps_of(r)``: batches ``r`` ran in this window; ``working(r)``: ``r`` is still a
+        live member. 0 when every planned rank is done or the others are about to be.
         """
-        ms = self._ms.get(rank)
-        if ms is None or ms <= 0 or not self._by_span:
+        if self._by_span:
+            ms = self._ms.get(rank)
+            found = self._critical(steps_of, working)
+            if found is None or ms is None:
+                return 0
+            critical, left = found
+            remaining_ms = self._remaining_ms(critical, left, self._ms[critical], now)
+        else:
+            ms = self._pace.get(rank)
+            if ms is None:
+                return 0
+            remaining_ms = self._uncalibrated_remaining_ms(now, steps_of, working)
+        if ms <= 0:
             return 0
+        batches = max(math.floor(remaining_ms / ms + 0.5), 0)
+        if not self._by_span:
+            batches = min(batches, self._plan[rank])  # guesses: at most its own count again
+        return batches
+
+    def _critical(
+        self, steps_of: Callable[[int], int], working: Callable[[int], bool]
+    ) -> tuple[int, int] | None:
+        """The unfinished member with the longest planned span, and its batches left."""
         while self._cursor < len(self._by_span):
             critical = self._by_span[self._cursor]
             left = self._plan[critical] - steps_of(critical)
             if left > 0 and working(critical):
-                break
+                return critical, left
             self._cursor += 1
-        else:
-            return 0
-        critical_ms = self._ms[critical]
-        since = last_report_at(critical)
-        started = self._started_at if since is None else since
-        remaining_ms = left * critical_ms - (now - started) * 1000.0
-        if remaining_ms < -critical_ms / 2.0:
-            remaining_ms = critical_ms / 2.0  # long overdue: its batch may take a while yet
-        return max(math.floor(remaining_ms / ms + 0.5), 0)
+        return None
+
+    def _remaining_ms(self, rank: int, left: int, ms: float, now: float) -> float:
+        """Time ``rank`` still needs for its ``left`` batches of ``ms`` each."""
+        started = self._last_report.get(rank, self._started_at)
+        remaining_ms = left * ms - (now - started) * 1000.0
+        if remaining_ms < -ms / 2.0:
+            remaining_ms = ms / 2.0  # long overdue: its batch may take a while yet
+        return remaining_ms
+
+    def _uncalibrated_remaining_ms(
+        self, now: float, steps_of: Callable[[int], int], working: Callable[[int], bool]
+    ) -> float:
+        elapsed_ms = (now - self._started_at) * 1000.0
+        if self._unreported > 0:
+            # A rank without a single batch yet takes longer than the whole window so far
+            # per batch: at least that again for every batch after the one it is running.
+            longest_plan = max(self._plan, default=0)
+            return max(longest_plan - 1, 0) * elapsed_ms
+        slowest = self._slowest
+        if slowest is None or not working(slowest):
+            return 0.0
+        left = self._plan[slowest] - steps_of(slowest)
+        if left <= 0:
+            return 0.0  # the slowest by pace is done: the rest should be too
+        return self._remaining_ms(slowest, left, self._pace[slowest], now)

@@ -135,7 +135,6 @@ class _Window:
 
     batches: int = 0
     fill_ms: float = 0.0
-    last_report_at: float | None = None
     compute_ms: float = 0.0
     delivered_ms: float = 0.0
     chunk_reports: int = 0
@@ -528,7 +527,7 @@ class CoordinatorMachine:
         else:
             window.compute_ms += batch.batch_ms
         window.batches += 1
-        window.last_report_at = now
+        self._idle_fill.on_batch(rank, now, wall)
         epoch, left = self.work.complete(rank)
         idle_now = False
         if epoch is not None:
@@ -571,7 +570,6 @@ class CoordinatorMachine:
             rank,
             now,
             steps_of=self.cycle.steps_of,
-            last_report_at=lambda r: self._windows[r].last_report_at,
             working=lambda r: r in self._member_set and r in alive,
         )
 

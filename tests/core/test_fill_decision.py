@@ -19,18 +19,38 @@ def ask(
     reports: list[float | None],
     dead: frozenset[int] = frozenset(),
 ) -> int:
+    for r, at in enumerate(reports):
+        if at is not None:
+            fill.on_batch(r, at, 0.0)  # the batch time only matters when uncalibrated
     return fill.extra_batches(
-        rank,
-        now,
-        steps_of=lambda r: steps[r],
-        last_report_at=lambda r: reports[r],
-        working=lambda r: r not in dead,
+        rank, now, steps_of=lambda r: steps[r], working=lambda r: r not in dead
     )
 
 
-def test_uncalibrated_windows_are_never_filled() -> None:
-    fill = fill_for([10, 4], {0: 10.0})  # rank 1 has no timing yet
-    assert ask(fill, 0, 0.1, [10, 0], [0.1, None]) == 0
+def test_uncalibrated_windows_use_the_batch_times_reported_in_the_window() -> None:
+    fill = fill_for([10, 10], {0: 10.0})  # rank 1 has no timing yet: uncalibrated
+    assert not fill.calibrated
+    for i in range(1, 11):
+        fill.on_batch(0, i * 0.010, 10.0)
+    # Rank 1 has not finished a batch in 100 ms: it needs at least 9 x 100 ms more, so
+    # rank 0 gets more batches, at most its own count again (10).
+    assert fill.extra_batches(0, 0.1, steps_of=[10, 0].__getitem__, working=lambda r: True) == 10
+    # Rank 1 reports batches of 40 ms; at 0.16 s it has 6 left, its last done just now:
+    # 6 x 40 = 240 ms remain = 24 of rank 0's batches, capped at 10.
+    fill.on_batch(1, 0.12, 40.0)
+    fill.on_batch(1, 0.16, 40.0)
+    assert fill.extra_batches(0, 0.16, steps_of=[20, 4].__getitem__, working=lambda r: True) == 10
+    # With 1 left, begun 25 ms ago: 15 ms remain -> 2 (1.5 rounds up).
+    fill.on_batch(1, 0.400, 40.0)
+    assert fill.extra_batches(0, 0.425, steps_of=[30, 9].__getitem__, working=lambda r: True) == 2
+    # The slowest is done: nothing.
+    assert fill.extra_batches(0, 0.45, steps_of=[30, 10].__getitem__, working=lambda r: True) == 0
+
+
+def test_a_rank_with_no_report_of_its_own_gets_nothing_in_an_uncalibrated_window() -> None:
+    fill = fill_for([10, 10], {})
+    fill.on_batch(1, 0.05, 5.0)
+    assert fill.extra_batches(0, 0.1, steps_of=[10, 10].__getitem__, working=lambda r: True) == 0
 
 
 def test_gives_the_batches_that_fit_in_the_critical_ranks_remaining_time() -> None:
