@@ -312,9 +312,11 @@ def build_summary(
                 "batches": report.get("batches", stats.batches),
                 "syncs": report.get("syncs", stats.syncs),
                 "idle_s": report.get("idle_s"),
+                "averaging_s": report.get("averaging_s"),
                 "wall_s": report.get("wall_s"),
                 "startup_s": report.get("startup_s"),
                 "idle_share": _share(report.get("idle_s"), _training_s(report)),
+                "averaging_share": _share(report.get("averaging_s"), _training_s(report)),
                 "exit_reason": report.get("exit_reason"),
                 "final_metrics": report.get("final_metrics", {}),
             }
@@ -393,6 +395,10 @@ def _share(idle: Any, wall: Any) -> float | None:
     return float(idle) / float(wall)
 
 
+def _percent(share: Any) -> str:
+    return "-" if share is None else f"{100 * share:5.1f}%"
+
+
 def print_summary(summary: dict[str, Any], stream: Any = None) -> None:
     """A short human-readable account of a run."""
     out = stream or sys.stdout
@@ -400,13 +406,15 @@ def print_summary(summary: dict[str, Any], stream: Any = None) -> None:
     reason = summary.get("save_reason")
     print(f"\nflodl: run {status}" + (f" (saved: {reason})" if reason else ""), file=out)
     print(f"  {summary['message']}", file=out)
-    print(f"  {'rank':>4} {'batches':>8} {'syncs':>6} {'idle':>7} {'exit':>5}", file=out)
+    print(
+        f"  {'rank':>4} {'batches':>8} {'syncs':>6} {'idle':>7} {'averaging':>10} {'exit':>5}",
+        file=out,
+    )
     for rank in summary["ranks"]:
-        share = rank.get("idle_share")
-        idle = "-" if share is None else f"{100 * share:5.1f}%"
+        idle, averaging = _percent(rank.get("idle_share")), _percent(rank.get("averaging_share"))
         print(
             f"  {rank['rank']:>4} {rank['batches'] or 0:>8} {rank['syncs'] or 0:>6} "
-            f"{idle:>7} {rank['exit_code']!s:>5}",
+            f"{idle:>7} {averaging:>10} {rank['exit_code']!s:>5}",
             file=out,
         )
     for death in summary["deaths"]:

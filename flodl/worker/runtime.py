@@ -177,11 +177,14 @@ class Worker:
         self.global_step = 0
         """The run's global step as last set by the coordinator (SetGlobalStep)."""
         self.idle_s = 0.0
+        """Seconds lost at batch boundaries while training: waiting for work or for the round
+        to start, throttled. Averaging is counted apart, in ``averaging_s``."""
+        self.averaging_s = 0.0
+        """Seconds spent averaging (SyncNow to SyncAck; Async: blending a landed round in)."""
         self.startup_s = 0.0
         """Time from the handshake to the first batch (group formation, waiting for peers to
         start): kept apart from ``idle_s``, which is time lost while training."""
         self._first_batch_at: float | None = None
-        """Seconds spent at batch boundaries: waiting for work, averaging, throttled."""
         self.final_metrics: dict[str, float] = {}
         self.exit_reason: str | None = None
         self.last_epoch: EpochAggregated | None = None
@@ -272,6 +275,7 @@ class Worker:
         if self._current is not None:
             await self.batch_done(math.nan)
         entered = trio.current_time()
+        averaging_before = self.averaging_s
         try:
             with trio.CancelScope() as scope:
                 self._boundary_scope = scope
@@ -282,12 +286,13 @@ class Worker:
         finally:
             self._boundary_scope = None
             now = trio.current_time()
+            waited = now - entered - (self.averaging_s - averaging_before)
             if self._first_batch_at is None:
-                self.startup_s += now - entered
+                self.startup_s += waited
             else:
-                self.idle_s += now - entered
+                self.idle_s += waited
                 if self._chunk is not None and entered >= self._chunk.started_at:
-                    self._chunk.idle_s += now - entered
+                    self._chunk.idle_s += waited
         if assignment is not None:
             if self._first_batch_at is None:
                 self._first_batch_at = trio.current_time()
@@ -434,6 +439,7 @@ class Worker:
             await self._start_background(sync, params, buffers, batches)
             return
         result: AverageResult | None = None
+        started = trio.current_time()
         with trio.CancelScope() as scope:
             self._collective_scope = scope
             try:
@@ -442,6 +448,7 @@ class Worker:
                 log.warning("rank %d: round %d failed: %s", self.rank, sync.round, err)
             finally:
                 self._collective_scope = None
+                self.averaging_s += trio.current_time() - started
         if result is None:
             if scope.cancelled_caught:
                 log.info("rank %d: round %d abandoned", self.rank, sync.round)
@@ -479,12 +486,15 @@ class Worker:
             return
         self._background = None
         params, buffers = self._tensors()
+        started = trio.current_time()
         try:
             result = await trio.to_thread.run_sync(round_.pending.blend_into, params, buffers)
         except BackendError as err:
+            self.averaging_s += trio.current_time() - started
             log.info("rank %d: round %d did not land: %s", self.rank, round_.sync.round, err)
             self._since_average += round_.batches  # those batches were never averaged
             return
+        self.averaging_s += trio.current_time() - started
         await self._acknowledge(round_.sync, result, params, buffers)
 
     def _abandon_background(self) -> None:
@@ -785,6 +795,7 @@ class Worker:
             "syncs": self.syncs,
             "global_step": self.global_step,
             "idle_s": self.idle_s,
+            "averaging_s": self.averaging_s,
             "startup_s": self.startup_s,
             "wall_s": self.wall_s,
             "final_metrics": dict(self.final_metrics),

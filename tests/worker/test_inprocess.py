@@ -135,6 +135,10 @@ async def test_two_workers_train_every_sample_once_per_epoch(
         assert report["final_metrics"] == {"done": 1.0}
         assert int(report["syncs"]) >= 1  # type: ignore[call-overload]
         assert report["steps"] == int(report["batches"]) + int(report["syncs"])  # type: ignore[call-overload]
+        # Time at batch boundaries is split: averaging apart from waiting, never negative.
+        idle_s, averaging_s = float(report["idle_s"]), float(report["averaging_s"])  # type: ignore[arg-type]
+        assert averaging_s > 0.0 and idle_s >= 0.0
+        assert idle_s + averaging_s + float(report["startup_s"]) <= float(report["wall_s"])  # type: ignore[arg-type]
     if policy is not Policy.ASYNC:
         # Every round left both ranks with bitwise-identical parameters, and the run ends
         # on an average, so the final models are identical too.
