@@ -55,6 +55,9 @@ class GlooBackend(TorchDistBackend):
     """4 MiB of float32 per op: small enough that packing the first bucket and finishing the
     last one (the parts that cannot overlap the wire) are short, large enough that gloo's
     per-op cost stays small (measured: bench/averaging_overhead.py)."""
+    default_swap_parameters = True
+    """On CPU the copy into the parameters is a whole pass over the model after the collective,
+    the one part of a round nothing overlaps; views of the averaged buffer cost nothing."""
 
     def _make_comm(self, store: Store, rank: int, world_size: int) -> Comm:
         return GlooComm(store, rank, world_size, self.op_timeout)

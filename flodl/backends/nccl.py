@@ -108,7 +108,11 @@ class NcclBackend(TorchDistBackend):
         verify: bool = True,
         verify_every: int = DEFAULT_VERIFY_EVERY,
         bucket_elements: int | None = None,
+        swap_parameters: bool | None = None,
     ) -> None:
+        """As :class:`~flodl.backends.torch_backend.TorchDistBackend`; ``swap_parameters``
+        is off by default here: CUDA graphs and compiled kernels may hold parameter
+        addresses, and on a GPU the copy is cheap against the collective."""
         if not nccl_usable():
             raise BackendError("nccl backend needs a torch build with NCCL and a CUDA device")
         super().__init__(
@@ -117,6 +121,7 @@ class NcclBackend(TorchDistBackend):
             verify=verify,
             verify_every=verify_every,
             bucket_elements=bucket_elements,
+            swap_parameters=swap_parameters,
         )
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())

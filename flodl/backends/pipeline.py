@@ -3,14 +3,15 @@
 The flat buffer (:class:`~flodl.backends.averaging.FlatLayout`) is cut into buckets of equal
 size. On one worker thread: pack bucket 0, start its all-reduce, pack bucket 1 while bucket 0
 is on the wire, and so on; then, as each bucket lands, checksum it and take its norms while
-the later buckets are still being reduced. Torch ops release the GIL and gloo reduces in its
-own threads, so compute and communication run side by side. The divide is fused into the
-write-back (``torch.div(sum, mass, out=param)``), the one pass left after the collective.
+the later buckets are still being reduced, and divide it in place, block by block while the
+block is in cache. Torch ops release the GIL and gloo reduces in its own threads, so compute
+and communication run side by side, and the scratch buffer ends up holding the average.
 
-Nothing here writes into the live tensors except :func:`write_back`, which the caller runs
-only after the whole round (every bucket, and the verify collective) succeeded. A round that
-fails part way leaves its scratch buffer to the ops still in flight: the caller must drop it
-(an abandoned op may still write into it), never hand it out again.
+Nothing here writes into the live tensors except :func:`install`, which the caller runs only
+after the whole round (every bucket, and the verify collective) succeeded: it makes the
+parameters *views of the scratch buffer* (no copy at all) where it can, and copies the rest.
+A round that fails part way leaves its scratch buffer to the ops still in flight: the caller
+must drop it (an abandoned op may still write into it), never hand it out again.
 
 Every rank must cut the buffer the same way: the plan depends only on the layout and
 ``bucket_elements``, which must be equal on all ranks.
@@ -206,13 +207,14 @@ def reduce_in_buckets(
 ) -> Landed:
     """Pack ``sources`` bucket by bucket into scratch and SUM-reduce; check each as it lands.
 
-    With ``sources`` (from :func:`members`; read, never written) the scratch is left holding
-    the reduced sums, and the norms are taken as each bucket lands: ``||p||``,
-    ``||S|| / M`` and ``||S - M p|| / M`` (``S`` the sum, ``M`` the summed mass), a cache-
-    sized block at a time, so each block of ``S`` and ``p`` is read from memory once and
-    :func:`write_back` only has to divide. With ``sources`` None the
-    scratch already holds this rank's contribution; each bucket is divided in place as it
-    lands (a finished average, for an EASGD blend) and no norms are taken.
+    With ``sources`` (from :func:`members`; read, never written) this rank's contribution is
+    packed from them, and the norms are taken as each bucket lands: ``||p||``, ``||S|| / M``
+    and ``||S - M p|| / M`` (``S`` the sum, ``M`` the summed mass), a cache-sized block at a
+    time, each block then divided in place, so each block of ``S`` and ``p`` is read from
+    memory once. With ``sources`` None the scratch already holds this rank's contribution
+    and no norms are taken. Either way, when the summed mass is above 0, the scratch is left
+    holding the average (params divided by the mass, float buffers by the movers); at zero
+    mass it holds the (zero) sums.
 
     The checksum (taken when ``checksum``, else 0) covers the reduced sums, before any
     division: equal sums on every rank and the same deterministic division give bitwise
@@ -252,12 +254,11 @@ def reduce_in_buckets(
             sums.append(checksum_part(flat[bucket.start : bucket.end]))
         for piece in bucket.pieces:
             summed = flat[piece.start : piece.end]
-            if sources is None:
-                if reduced.total_mass > 0:
-                    summed.div_(by_mass if piece.is_param else by_movers)
-            elif piece.is_param:
+            if sources is not None and piece.is_param:
                 mass_or_none = by_mass if reduced.total_mass > 0 else None
                 norms.take(summed, _source(sources, piece), mass_or_none, scratch.spare)
+            elif reduced.total_mass > 0:
+                summed.div_(by_mass if piece.is_param else by_movers)
 
     applied = None
     if sources is not None:
@@ -284,9 +285,10 @@ class _Norms:
     def take(
         self, summed: torch.Tensor, source: torch.Tensor, mass: float | None, spare: torch.Tensor
     ) -> None:
-        """Norms of one piece, a spare-sized block at a time: the subtraction pulls both
-        blocks into cache, where the three norms then read them (~20% cheaper than whole
-        pieces). ``mass`` None (a zero-mass round): only ``||p||``."""
+        """Norms of one piece, a spare-sized block at a time, then the block divided by
+        ``mass`` in place: the subtraction pulls both blocks into cache, where the three norms
+        and the division then read them. ``mass`` None (a zero-mass round): only ``||p||``,
+        nothing divided."""
         step = spare.numel()
         for start in range(0, summed.numel(), step):
             block = source[start : start + step]
@@ -296,6 +298,7 @@ class _Norms:
                 torch.sub(landed, block, alpha=mass, out=gap)
                 self.diff.append(squared_norm(gap))
                 self.post.append(squared_norm(landed))
+                landed.div_(mass)
             self.pre.append(squared_norm(block))
 
 
@@ -304,18 +307,35 @@ def _source(sources: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:
 
 
 @torch.no_grad()
-def write_back(
+def install(
     flat: torch.Tensor,
-    reduced: Reduced,
     layout: FlatLayout,
     params: Sequence[torch.Tensor],
     buffers: Sequence[torch.Tensor],
-) -> None:
-    """Overwrite the live params with ``sum / mass`` and the averaged float buffers with
-    ``sum / movers``, straight from the reduced sums in ``flat`` (one pass, cast on write)."""
-    by_mass, by_movers = divisors(reduced)
+    swap: bool,
+) -> bool:
+    """Put the average held in ``flat`` into the live tensors; True if some parameter now
+    views ``flat`` (the caller must then keep ``flat`` out of use for as long as it does).
+
+    With ``swap``, a contiguous parameter of the flat dtype becomes a view of its slice of
+    ``flat`` (``p.data = ...``: same Parameter object, shape and strides; no copy). Other
+    parameters, and every float buffer, are copied (cast on write, strides kept).
+    """
+    viewed = False
     for p, (start, end) in zip(params, layout.param_ranges(), strict=True):
-        torch.div(flat[start:end].view(p.shape), by_mass, out=p)
+        average = flat[start:end].view(p.shape)
+        if swap and p.is_contiguous() and p.dtype == flat.dtype and p.device == flat.device:
+            p.data = average
+            viewed = True
+        else:
+            p.copy_(average)
     for b, span in zip(buffers, layout.buffer_ranges(), strict=True):
         if span is not None:
-            torch.div(flat[span[0] : span[1]].view(b.shape), by_movers, out=b)
+            b.copy_(flat[span[0] : span[1]].view(b.shape))
+    return viewed
+
+
+def views_storage_of(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> bool:
+    """Whether any of ``tensors`` still lies in ``flat``'s storage."""
+    base = flat.untyped_storage().data_ptr()
+    return any(t.untyped_storage().data_ptr() == base for t in tensors)

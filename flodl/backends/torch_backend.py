@@ -51,9 +51,10 @@ from flodl.backends.pipeline import (
     PendingOp,
     Scratch,
     ScratchPool,
+    install,
     members,
     reduce_in_buckets,
-    write_back,
+    views_storage_of,
 )
 from flodl.errors import BackendError, CollectiveAborted
 
@@ -140,6 +141,8 @@ class TorchDistBackend:
     name = "torch"
     default_bucket_elements: int | None = None
     """Bucket size when the constructor gets none (None: the whole buffer in one op)."""
+    default_swap_parameters: bool = False
+    """Whether rounds make the parameters views of the averaged buffer by default."""
 
     def __init__(
         self,
@@ -149,6 +152,7 @@ class TorchDistBackend:
         verify: bool = True,
         verify_every: int = DEFAULT_VERIFY_EVERY,
         bucket_elements: int | None = None,
+        swap_parameters: bool | None = None,
     ) -> None:
         """``op_timeout``: seconds after which a collective gives up by itself (the per-op
         timeout); ``join_timeout``: seconds to wait for all members when forming a group.
@@ -165,7 +169,10 @@ class TorchDistBackend:
         the first round of a group. ``bucket_elements``: how many elements each all-reduce of
         a round carries, so packing and checking overlap the wire (default
         :attr:`default_bucket_elements`). ``verify_every`` and ``bucket_elements`` must be
-        equal on every rank.
+        equal on every rank. ``swap_parameters``: after a round, make the parameters views of
+        the buffer that holds the average instead of copying it into them (one pass over the
+        model less; default :attr:`default_swap_parameters`). The Parameter objects, shapes
+        and strides stay; only tensors someone took of ``p.data`` before the round go stale.
         """
         if op_timeout <= 0 or join_timeout <= 0:
             raise BackendError("op_timeout and join_timeout must be > 0")
@@ -182,6 +189,11 @@ class TorchDistBackend:
         )
         self._plan: BucketPlan | None = None
         self._pool = ScratchPool()
+        self._installed: Scratch | None = None
+        """The scratch buffer the live parameters are views of, after a swapping round."""
+        self.swap_parameters = (
+            self.default_swap_parameters if swap_parameters is None else swap_parameters
+        )
         self._current: _Generation | None = None
         self._hosted: dict[int, TCPStore] = {}
         self._graveyard: list[_Corpse] = []
@@ -426,13 +438,28 @@ class TorchDistBackend:
             plan = self._plan_for(layout)
             scratch = self._pool.take(plan)
             landed = await self._reduce(gen, plan, scratch, (params, buffers), batches, gamma)
+        viewed = False
         if not landed.skipped:
-            await trio.to_thread.run_sync(
-                write_back, scratch.flat, landed.reduced, layout, params, buffers
+            viewed = await trio.to_thread.run_sync(
+                install, scratch.flat, layout, params, buffers, self.swap_parameters
             )
-        self._pool.give_back(scratch)
+        self._keep_installed(scratch if viewed else None, params)
+        if not viewed:
+            self._pool.give_back(scratch)
         assert landed.applied is not None
         return _result(landed.applied, landed.reduced, landed.skipped)
+
+    def _keep_installed(self, scratch: Scratch | None, params: Sequence[torch.Tensor]) -> None:
+        """``scratch`` now holds live parameters (None: it does not); the buffer that held
+        them before goes back to the pool once no parameter lies in it any more."""
+        previous = self._installed
+        if scratch is not None:
+            self._installed = scratch
+        if previous is not None and previous is not scratch:
+            if not views_storage_of(params, previous.flat):
+                self._pool.give_back(previous)
+                if self._installed is previous:
+                    self._installed = None
 
     async def start_background_average(
         self,
@@ -487,6 +514,7 @@ class TorchDistBackend:
         """
         self._closed = True
         self._pool.clear()
+        self._installed = None  # the parameters keep their buffer alive
         if self._current is not None:
             self._retire(self._current)
         self._hosted.clear()

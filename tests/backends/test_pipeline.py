@@ -211,32 +211,77 @@ async def test_mixed_dtypes_and_strided_params_in_buckets() -> None:
             await backend.close()
 
 
-async def test_scratch_is_reused_after_success_and_dropped_after_a_cancel(
+def lies_in(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> list[bool]:
+    base = flat.untyped_storage().data_ptr()
+    return [t.untyped_storage().data_ptr() == base for t in tensors]
+
+
+async def test_parameters_become_views_of_the_average_and_two_buffers_alternate(
     tiny_buckets: list[GlooBackend],
 ) -> None:
     await form(tiny_buckets, 0)
     models = [random_model(5), random_model(6)]
-    await average_all(tiny_buckets, models, [1, 1])
-    kept = list(tiny_buckets[0]._pool._idle)
-    assert len(kept) == 1
-    await average_all(tiny_buckets, models, [1, 1])
-    assert tiny_buckets[0]._pool._idle == kept  # the same buffer served the second round
-
     params, buffers = models[0]
+    objects = [id(p) for p in params]
+    backend = tiny_buckets[0]
+    await average_all(tiny_buckets, models, [1, 1])
+    first = backend._installed
+    assert first is not None and backend._pool._idle == []
+    assert lies_in(params, first.flat) == [True] * 4  # no copy: views of the averaged buffer
+    assert lies_in(buffers, first.flat) == [False, False]  # buffers are copied
+    assert [id(p) for p in params] == objects  # the same tensor objects
+    await average_all(tiny_buckets, models, [1, 1])
+    second = backend._installed
+    assert second is not None and second is not first
+    assert backend._pool._idle == [first]  # free again: no parameter lies in it
+    await average_all(tiny_buckets, models, [1, 1])
+    assert backend._installed is first and backend._pool._idle == [second]
+
     before = copy_model(models[0])
     with trio.move_on_after(0.2) as scope:  # peer never enters: every bucket is left pending
-        await tiny_buckets[0].average(params, buffers, 2)
+        await backend.average(params, buffers, 2)
     assert scope.cancelled_caught
     assert all(torch.equal(a, b) for a, b in zip(params, before[0], strict=True))
-    assert tiny_buckets[0]._pool._idle == []  # the abandoned ops may still write into it
+    assert backend._pool._idle == []  # the abandoned ops may still write into it: dropped
+    assert backend._installed is first
 
     await form(tiny_buckets, 1)
     await average_all(tiny_buckets, models, [1, 1])
-    fresh = tiny_buckets[0]._pool._idle
-    assert len(fresh) == 1 and fresh[0] is not kept[0]
     assert all(
         torch.equal(a, b) for a, b in zip(models[0][0], models[1][0], strict=True)
     )  # averaged again, identical
+
+
+async def test_swapped_parameters_keep_training_and_copying_is_a_setting() -> None:
+    for swap in (True, False):
+        backends = [
+            GlooBackend(op_timeout=1.0, join_timeout=10.0, swap_parameters=swap) for _ in range(2)
+        ]
+        try:
+            await form(backends, 0)
+            torch.manual_seed(0)
+            nets = [torch.nn.Linear(4, 3) for _ in range(2)]
+            optimizers = [torch.optim.Adam(net.parameters(), lr=0.1) for net in nets]
+            for net, optimizer in zip(nets, optimizers, strict=True):
+                net(torch.randn(8, 4)).square().sum().backward()
+                optimizer.step()
+            addresses = [p.data_ptr() for p in nets[0].parameters()]
+            models: list[Model] = [(list(net.parameters()), []) for net in nets]
+            await average_all(backends, models, [1, 1])
+            moved = [
+                p.data_ptr() != a for p, a in zip(nets[0].parameters(), addresses, strict=True)
+            ]
+            assert moved == [swap, swap]
+            assert all(isinstance(p, torch.nn.Parameter) for p in nets[0].parameters())
+            averaged = [p.detach().clone() for p in nets[0].parameters()]
+            # The optimizer (state keyed by Parameter) goes on updating the live tensors.
+            nets[0](torch.randn(8, 4)).square().sum().backward()
+            optimizers[0].step()
+            after = list(nets[0].parameters())
+            assert all(not torch.equal(a, b) for a, b in zip(after, averaged, strict=True))
+        finally:
+            for backend in backends:
+                await backend.close()
 
 
 async def test_background_round_in_buckets_blends(tiny_buckets: list[GlooBackend]) -> None:
