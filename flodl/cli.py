@@ -137,6 +137,7 @@ def _worker(args: argparse.Namespace) -> int:
             "RANK": str(args.rank),
             "WORLD_SIZE": str(args.world_size),
             "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
             "FLODL_COORDINATOR": args.coordinator,
             "FLODL_BACKEND": args.backend,
             "FLODL_POLICY": args.policy,

@@ -1,7 +1,7 @@
 """How ranks average parameters: backends over torch.distributed, chosen by name.
 
-``open_backend("auto")`` gives nccl where CUDA and NCCL are usable, else gloo. Importing this
-package does not import torch; :func:`open_backend` does.
+``open_backend("auto")`` gives nccl where NCCL is usable and this host has a GPU for each of
+its ranks, else gloo. Importing this package does not import torch; :func:`open_backend` does.
 """
 
 from __future__ import annotations
@@ -14,23 +14,49 @@ from flodl.errors import ConfigError
 BACKEND_NAMES = ("auto", "gloo", "nccl")
 
 
-def resolve_backend_name(name: str = "auto") -> str:
-    """The concrete backend ``name`` stands for (``auto``: nccl if usable, else gloo)."""
+def choose_backend(name: str, *, nccl: bool, gpus: int, local_world_size: int) -> str:
+    """The concrete backend ``name`` stands for on a host with ``gpus`` visible GPUs running
+    ``local_world_size`` ranks (``nccl``: NCCL is usable at all).
+
+    ``auto`` is nccl only when every rank of the host gets a GPU of its own, else gloo: all
+    ranks of a host decide alike, so a group never mixes the two.
+    """
     if name not in BACKEND_NAMES:
         raise ConfigError(f"unknown backend {name!r}; expected one of {BACKEND_NAMES}")
     if name != "auto":
         return name
+    return "nccl" if nccl and gpus >= max(local_world_size, 1) else "gloo"
+
+
+def resolve_backend_name(name: str = "auto", local_world_size: int = 1) -> str:
+    """:func:`choose_backend` for this host (imports torch only for ``auto``)."""
+    if name != "auto":
+        return choose_backend(name, nccl=False, gpus=0, local_world_size=local_world_size)
+    import torch
+
     from flodl.backends.nccl import nccl_usable
 
-    return "nccl" if nccl_usable() else "gloo"
+    usable = nccl_usable()
+    gpus = torch.cuda.device_count() if usable else 0
+    return choose_backend(name, nccl=usable, gpus=gpus, local_world_size=local_world_size)
 
 
-def open_backend(name: str = "auto", **options: Any) -> Backend:
-    """A new backend by name; ``options`` go to its constructor (``op_timeout``, ...)."""
-    resolved = resolve_backend_name(name)
+def open_backend(
+    name: str = "auto", *, local_rank: int = 0, local_world_size: int = 1, **options: Any
+) -> Backend:
+    """A new backend by name; ``options`` go to its constructor (``op_timeout``, ...).
+
+    nccl without a ``device`` option takes GPU ``local_rank`` (modulo the GPUs visible), the
+    torchrun convention: the training script should put its model there too.
+    """
+    resolved = resolve_backend_name(name, local_world_size)
     if resolved == "nccl":
+        import torch
+
         from flodl.backends.nccl import NcclBackend
 
+        if "device" not in options and torch.cuda.device_count() > 0:
+            options["device"] = torch.device("cuda", local_rank % torch.cuda.device_count())
         return NcclBackend(**options)
     from flodl.backends.gloo import GlooBackend
 
@@ -43,6 +69,7 @@ __all__ = [
     "AverageResult",
     "Backend",
     "PendingAverage",
+    "choose_backend",
     "open_backend",
     "resolve_backend_name",
 ]

@@ -6,7 +6,8 @@ The launcher (``flodl run``) sets these variables; a script started by hand must
 ``FLODL_COORDINATOR``       where the coordinator listens (``tcp://host:port``, ``unix:///p``)
 ``FLODL_SESSION_KEY``       session key, hex (or ``FLODL_SESSION_KEY_FILE``: a file holding it)
 ``RANK``, ``WORLD_SIZE``    this rank's id and the number of ranks (torchrun style)
-``LOCAL_RANK``              rank on this host (default: ``RANK``)
+``LOCAL_RANK``              rank on this host (default: ``RANK``); nccl uses GPU ``LOCAL_RANK``
+``LOCAL_WORLD_SIZE``        ranks on this host (default: ``WORLD_SIZE``)
 ``FLODL_BACKEND``           ``auto`` (default), ``gloo`` or ``nccl``
 ``FLODL_POLICY``            ``sync``, ``cadence`` (default) or ``async``
 ``FLODL_HEARTBEAT_TIMEOUT`` seconds of coordinator silence before this rank gives up (10)
@@ -95,6 +96,7 @@ class WorkerConfig:
     rank: int
     world_size: int
     local_rank: int = 0
+    local_world_size: int = 1
     backend: str = "auto"
     policy: Policy = attrs.field(default=Policy.CADENCE, converter=Policy)
     heartbeat_timeout: float = 10.0
@@ -152,6 +154,7 @@ class WorkerConfig:
             rank=rank,
             world_size=world_size,
             local_rank=_int(env, "LOCAL_RANK", rank),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", world_size),
             backend=_choice(env, "FLODL_BACKEND", "auto", BACKEND_NAMES),
             policy=Policy(_choice(env, "FLODL_POLICY", "cadence", tuple(p.value for p in Policy))),
             heartbeat_timeout=_seconds(env, "FLODL_HEARTBEAT_TIMEOUT", 10.0),

@@ -849,7 +849,12 @@ async def open_worker(
     if backend is None:
         from flodl.backends import open_backend
 
-        backend = open_backend(config.backend, op_timeout=config.collective_timeout)
+        backend = open_backend(
+            config.backend,
+            local_rank=config.local_rank,
+            local_world_size=config.local_world_size,
+            op_timeout=config.collective_timeout,
+        )
     worker = Worker(config, model, optimizer, backend)
     body_error: Exception | None = None
     try:

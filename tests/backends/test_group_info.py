@@ -8,7 +8,7 @@ import sys
 import cbor2
 import pytest
 
-from flodl.backends import open_backend, resolve_backend_name
+from flodl.backends import choose_backend, open_backend, resolve_backend_name
 from flodl.backends.gloo import GlooBackend
 from flodl.backends.group import GroupInfo
 from flodl.backends.nccl import NcclBackend, nccl_usable
@@ -45,11 +45,31 @@ def test_bad_info_is_rejected(data: bytes) -> None:
         GroupInfo.decode(data)
 
 
+@pytest.mark.skipif(nccl_usable(), reason="this host has NCCL and a GPU")
 def test_auto_selects_gloo_without_cuda() -> None:
-    assert nccl_usable() is False  # this machine: CPU-only torch
     assert resolve_backend_name("auto") == "gloo"
     assert open_backend("auto").name == "gloo"
     assert open_backend("gloo", op_timeout=5.0).name == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("nccl", "gpus", "local_world_size", "chosen"),
+    [
+        (True, 2, 2, "nccl"),  # a GPU per rank
+        (True, 8, 4, "nccl"),
+        (True, 2, 4, "gloo"),  # more ranks than GPUs on the host: all of them take gloo
+        (True, 0, 1, "gloo"),
+        (False, 4, 2, "gloo"),  # GPUs, but no NCCL in this torch build
+    ],
+)
+def test_auto_takes_nccl_only_with_a_gpu_for_every_rank_of_the_host(
+    nccl: bool, gpus: int, local_world_size: int, chosen: str
+) -> None:
+    picked = choose_backend("auto", nccl=nccl, gpus=gpus, local_world_size=local_world_size)
+    assert picked == chosen
+    # An explicit name is taken as it is.
+    assert choose_backend("gloo", nccl=True, gpus=8, local_world_size=1) == "gloo"
+    assert choose_backend("nccl", nccl=False, gpus=0, local_world_size=1) == "nccl"
 
 
 def test_unknown_name_and_unusable_nccl_are_clear_errors() -> None:
