@@ -2,8 +2,10 @@
 
 * ``rank<N>.json``: written at exit, read by the launcher into ``summary.json``:
   ``{rank, steps, batches, syncs, idle_s, wall_s, final_metrics, exit_reason, ...}``.
-* ``rank<N>.death.json``: written when the rank gives up on its coordinator:
-  ``{rank, world_size, error, unix_time_secs}``.
+* a death record, written when the rank gives up on its coordinator, by
+  :func:`flodl.checkpoint.write_death_record` (``{rank, world_size, error, unix_time_secs}``):
+  next to the rank's latest bundle (``<stem>.rank<N>.death.json``, where loading that bundle
+  finds it), or ``<run_dir>/flodl.rank<N>.death.json`` when the rank saved none.
 
 Both are written atomically (temporary file, then rename), so a reader never sees half a file.
 """
@@ -14,7 +16,6 @@ import hashlib
 import json
 import math
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,8 +28,8 @@ def report_path(run_dir: Path, rank: int) -> Path:
     return run_dir / f"rank{rank}.json"
 
 
-def death_record_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / f"rank{rank}.death.json"
+DEATH_STEM = "flodl"
+"""Stem of a death record written where no bundle is (``<run_dir>/flodl.rank<N>.death.json``)."""
 
 
 def _jsonable(value: Any) -> Any:
@@ -50,19 +51,18 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def write_death_record(run_dir: Path, rank: int, world_size: int, error: str) -> Path:
-    """Write ``rank<N>.death.json`` and return its path."""
-    path = death_record_path(run_dir, rank)
-    write_json_atomic(
-        path,
-        {
-            "rank": rank,
-            "world_size": world_size,
-            "error": error,
-            "unix_time_secs": time.time(),
-        },
-    )
-    return path
+def write_death_record(
+    run_dir: Path, rank: int, world_size: int, error: str, bundle: Path | None = None
+) -> Path:
+    """Write this rank's death record (see the module docstring) and return its path.
+
+    ``bundle``: the rank's latest saved bundle (``<dir>/<stem>``), if any. Raises OSError or
+    CheckpointError when it cannot be written.
+    """
+    from flodl.checkpoint import write_death_record as write_record
+
+    directory, stem = (bundle.parent, bundle.name) if bundle is not None else (run_dir, DEATH_STEM)
+    return write_record(directory, stem, rank=rank, world_size=world_size, error=error)
 
 
 def tensors_sha256(tensors: Sequence[torch.Tensor]) -> str:

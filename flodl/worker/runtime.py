@@ -8,7 +8,8 @@ background tasks for as long as the block lasts:
   cancels the collective in flight, Throttle / SetGlobalStep / Shutdown set flags); the rest
   (work spans, SyncNow, Checkpoint) queue in arrival order for the next batch boundary. If no
   frame at all arrives for ``heartbeat_timeout`` seconds, or the connection breaks, the rank
-  writes ``rank<N>.death.json`` and every later call raises :class:`CoordinatorError`;
+  writes a death record (see :mod:`flodl.worker.records`) and every later call raises
+  :class:`CoordinatorError`;
 * the **heartbeat**, which sends ``Heartbeat`` every ``heartbeat_interval`` whatever the
   training loop does;
 * the **group joiner**, which joins each new group generation (NewGroupSession).
@@ -32,6 +33,7 @@ import math
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -614,10 +616,13 @@ class Worker:
             return
         self._fatal = error
         self.exit_reason = f"coordinator_lost: {error}"
+        bundle = Path(self.checkpoint_path) if self.checkpoint_path is not None else None
         try:
-            path = write_death_record(self.config.run_dir, self.rank, self.world_size, str(error))
+            path = write_death_record(
+                self.config.run_dir, self.rank, self.world_size, str(error), bundle
+            )
             log.error("rank %d: %s (death record: %s)", self.rank, error, path)
-        except OSError as err:
+        except (OSError, CheckpointError) as err:
             log.error("rank %d: %s (could not write the death record: %s)", self.rank, error, err)
         for scope in (self._collective_scope, self._join_scope):
             if scope is not None:

@@ -254,7 +254,7 @@ async def test_a_silent_coordinator_ends_the_loop_with_a_death_record(
     assert isinstance(received[0], Ready)
     beats = [m for m in received if isinstance(m, Heartbeat)]
     assert len(beats) >= 28  # the rank kept beating while it waited
-    record = json.loads((tmp_path / "rank0.death.json").read_text())
+    record = json.loads((tmp_path / "flodl.rank0.death.json").read_text())
     assert record["rank"] == 0 and record["world_size"] == 1
     assert "silent for 30 s" in record["error"] and record["unix_time_secs"] > 0
     report = json.loads((tmp_path / "rank0.json").read_text())
@@ -274,8 +274,39 @@ async def test_a_cut_connection_ends_the_loop_with_a_death_record(tmp_path: Path
                 await worker.announce(DATASET, BATCH, EPOCHS)
                 with pytest.raises(CoordinatorError, match="lost the connection"):
                     await worker.next_batch()
-    record = json.loads((tmp_path / "rank0.death.json").read_text())
+    record = json.loads((tmp_path / "flodl.rank0.death.json").read_text())
     assert "lost the connection" in record["error"]
+
+
+async def test_a_rank_that_saved_leaves_its_death_record_beside_its_bundle(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("safetensors")
+
+    async def save_then_hang_up(peer: Peer) -> None:
+        await peer.expect(Ready)
+        await peer.channel.send(StartEpoch(epoch=0, partition_offset=0, partition_size=BATCH))
+        await peer.channel.send(Checkpoint(version=7, target_rank=0))
+        await peer.expect(CheckpointResult)
+        await peer.channel.aclose()
+
+    async with scripted_coordinator(save_then_hang_up) as scripted:
+        config = worker_config(scripted.url, 0, 1, tmp_path)
+        with trio.fail_after(20):
+            async with open_worker(config, make_model(0), backend=GlooBackend()) as worker:
+                await worker.announce(DATASET, BATCH, EPOCHS)
+                item = await worker.next_batch()
+                assert item is not None
+                await worker.batch_done(0.5)
+                with pytest.raises(CoordinatorError, match="lost the connection"):
+                    await worker.next_batch()  # saves at this boundary, then loses the peer
+    from flodl.checkpoint import load_bundle
+
+    bundle = load_bundle(tmp_path / "checkpoints" / "rank0")
+    assert bundle.path.name == "flodl-v000007"
+    assert [d.rank for d in bundle.deaths] == [0]  # found by loading the bundle
+    assert "lost the connection" in bundle.deaths[0].error
+    assert not (tmp_path / "flodl.rank0.death.json").exists()
 
 
 async def test_checkpoint_then_shutdown_with_save(tmp_path: Path) -> None:

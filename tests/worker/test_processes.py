@@ -131,7 +131,7 @@ async def test_ranks_give_up_on_a_frozen_coordinator(tmp_path: Path) -> None:
     assert [p.returncode for p in processes] == [1, 1]
     assert 2.0 <= waited < 30.0
     for rank in range(2):
-        record = json.loads((run_dir / f"rank{rank}.death.json").read_text())
+        record = json.loads((run_dir / f"flodl.rank{rank}.death.json").read_text())
         assert record["rank"] == rank and record["world_size"] == 2
         assert "silent for 3 s" in record["error"]
         assert record["unix_time_secs"] > 0
