@@ -86,6 +86,7 @@ from flodl.core.machine import CoordinatorMachine, Effect
 from flodl.errors import FlodlError
 from flodl.transports import connect
 from flodl.transports.channel import RECEIVE_CHUNK, Channel, connect_rank
+from flodl.transports.socket_stream import SocketStream
 from flodl.wire.codec import FRAME_MAGIC, PREFIX_SIZE, PROTOCOL_VERSION
 from flodl.wire.handshake import (
     SERVER_HELLO_SIZE,
@@ -1331,10 +1332,8 @@ async def open_wire_rank(
     except BaseException:
         await trio.aclose_forcefully(stream)
         raise
-    assert isinstance(stream, trio.SocketStream)
-    sock = socket.socket(fileno=stream.socket.detach())
-    sock.setblocking(False)
-    return sock, keys
+    assert isinstance(stream, SocketStream)
+    return stream.socket, keys
 
 
 # --- the generator child process --------------------------------------------------------------

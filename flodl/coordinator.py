@@ -63,6 +63,9 @@ _CONNECTION_ERRORS = (
 OUTBOX_LIMIT = 4096
 """Messages queued for one rank before it is judged too slow to keep up and disconnected."""
 
+HEARTBEAT_SLOTS = 16
+"""The heartbeat interval is cut into this many slots; each rank beats in one of them."""
+
 
 @attrs.define
 class _RankLink:
@@ -190,15 +193,24 @@ class Coordinator:
             link.scope.cancel()
 
     async def heartbeat_loop(self) -> None:
-        """Beat every ``heartbeat_interval`` until the run ends; nothing else can delay it."""
+        """Beat every ``heartbeat_interval`` until the run ends; nothing else can delay it.
+
+        Each rank gets one beat per interval, at a phase of its own: the interval is cut into
+        :data:`HEARTBEAT_SLOTS` slots and rank ``r`` beats in slot ``r % HEARTBEAT_SLOTS``, so
+        a large world is not sent (and does not answer) a thousand frames at one instant.
+        """
         interval = self._config.heartbeat_interval
+        world_size = self._machine.world_size
         beat = encode_message(CoordHeartbeat())
-        next_beat = trio.current_time()
+        started = trio.current_time()
+        slot = 0
         while not self._finished.is_set():
-            for link in list(self._links.values()):
-                self._enqueue(link, beat)
-            next_beat += interval
-            await trio.sleep_until(next_beat)
+            for rank in range(slot % HEARTBEAT_SLOTS, world_size, HEARTBEAT_SLOTS):
+                link = self._links.get(rank)
+                if link is not None:
+                    self._enqueue(link, beat)
+            slot += 1
+            await trio.sleep_until(started + slot * interval / HEARTBEAT_SLOTS)
 
     async def deadline_loop(self) -> None:
         """Sleep until the machine's next deadline (moved earlier as events arrive), then tick."""

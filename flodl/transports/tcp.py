@@ -9,6 +9,7 @@ import trio
 
 from flodl.errors import AddressInUse, TransportError, UnsupportedURL
 from flodl.transports.base import ListenerBase
+from flodl.transports.socket_stream import SocketStream, from_trio_stream
 from flodl.transports.url import ParsedURL, format_tcp_url
 
 
@@ -18,7 +19,7 @@ def _host_port(address: ParsedURL) -> tuple[str, int]:
     return address.host, address.port
 
 
-def _set_nodelay(stream: trio.SocketStream) -> None:
+def _set_nodelay(stream: SocketStream) -> None:
     stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
 
 
@@ -36,10 +37,10 @@ class TcpListener(ListenerBase):
         port: int = self._inner.socket.getsockname()[1]
         return port
 
-    async def accept(self) -> trio.SocketStream:
+    async def accept(self) -> SocketStream:
         """Next connection, with TCP_NODELAY set. Cancellation loses no pending connection."""
         try:
-            stream = await self._inner.accept()
+            stream = from_trio_stream(await self._inner.accept())
         except OSError as exc:
             raise TransportError(f"accept failed on {self.url}: {exc}") from exc
         _set_nodelay(stream)
@@ -55,7 +56,7 @@ class TcpTransport:
 
     scheme = "tcp"
 
-    async def connect(self, address: ParsedURL) -> trio.SocketStream:
+    async def connect(self, address: ParsedURL) -> SocketStream:
         """Connect (happy eyeballs over the resolved addresses); TCP_NODELAY is set.
 
         Raises TransportError naming the URL when the host does not resolve or every
@@ -66,7 +67,7 @@ class TcpTransport:
         if port == 0:
             raise UnsupportedURL(f"{address.url!r}: cannot connect to port 0")
         try:
-            stream = await trio.open_tcp_stream(host, port)
+            stream = from_trio_stream(await trio.open_tcp_stream(host, port))
         except OSError as exc:
             raise TransportError(f"cannot connect to {address.url}: {exc}") from exc
         _set_nodelay(stream)

@@ -15,6 +15,7 @@ import trio
 
 from flodl.errors import AddressInUse, TransportError, UnsupportedURL
 from flodl.transports.base import ListenerBase
+from flodl.transports.socket_stream import SocketStream, from_trio_stream
 from flodl.transports.url import ParsedURL
 
 SOCKET_MODE = 0o600
@@ -41,10 +42,10 @@ class UnixListener(ListenerBase):
         self.path = path
         self._file_identity = _identity(os.stat(path))
 
-    async def accept(self) -> trio.SocketStream:
+    async def accept(self) -> SocketStream:
         """Next connection. Cancellation loses no pending connection."""
         try:
-            return await self._inner.accept()
+            return from_trio_stream(await self._inner.accept())
         except OSError as exc:
             raise TransportError(f"accept failed on {self.url}: {exc}") from exc
 
@@ -71,11 +72,11 @@ class UnixTransport:
 
     scheme = "unix"
 
-    async def connect(self, address: ParsedURL) -> trio.SocketStream:
+    async def connect(self, address: ParsedURL) -> SocketStream:
         """Connect to the socket file; no such file or nobody listening -> TransportError."""
         path = _socket_path(address)
         try:
-            return await trio.open_unix_socket(path)
+            return from_trio_stream(await trio.open_unix_socket(path))
         except OSError as exc:
             raise TransportError(f"cannot connect to {address.url}: {exc}") from exc
 

@@ -125,6 +125,25 @@ async def test_heartbeat_keeps_beating_during_every_wait(
         assert beats[0] - cluster.started_at <= 1.0 + 1e-6
 
 
+async def test_each_rank_beats_once_per_interval_at_a_phase_of_its_own(
+    autojump_clock: MockClock,
+) -> None:
+    # 18 ranks, 16 slots of 1/16 s: rank r beats at (r % 16) / 16 s past each whole second
+    # (ranks 16 and 17 share the slots of ranks 0 and 1), so no slot holds more than two.
+    scripts = [RankScript(ms_per_batch=100) for _ in range(18)]
+    config = CoordinatorConfig(heartbeat_interval=1.0, heartbeat_timeout=10.0)
+    async with open_cluster(scripts, dataset_size=200_000, batch_size=10, config=config) as cluster:
+        with trio.move_on_after(5.5):
+            await cluster.coordinator.wait_finished()
+        cluster.coordinator.request_stop(save=False)
+        await cluster.wait_ranks_done()
+    for rank, scripted in enumerate(cluster.ranks):
+        beats = [b - cluster.started_at for b in scripted.record.beats]
+        assert len(beats) >= 5
+        assert {round(b % 1.0, 9) for b in beats} == {(rank % 16) / 16}
+        assert all(b - a == pytest.approx(1.0) for a, b in itertools.pairwise(beats))
+
+
 async def test_silent_rank_is_declared_dead_exactly_at_the_timeout(
     autojump_clock: MockClock,
 ) -> None:

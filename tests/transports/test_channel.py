@@ -19,6 +19,7 @@ from flodl.errors import (
 )
 from flodl.transports import connect, open_listener
 from flodl.transports.channel import Channel, accept_rank, connect_rank
+from flodl.transports.socket_stream import SocketStream
 from flodl.wire.codec import FrameEncoder
 from flodl.wire.messages import (
     TO_COORDINATOR_TAGS,
@@ -77,7 +78,7 @@ async def test_reset_connection_is_a_broken_channel() -> None:
     async with await open_listener("tcp://127.0.0.1:0") as listener:
         client = await connect(listener.url)
         server = await listener.accept()
-        assert isinstance(client, trio.SocketStream)
+        assert isinstance(client, SocketStream)
         # Abortive close: the kernel sends RST instead of FIN.
         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         await client.aclose()

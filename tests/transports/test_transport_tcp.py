@@ -9,6 +9,7 @@ import trio
 
 from flodl.errors import AddressInUse, TransportError, UnsupportedURL
 from flodl.transports import connect, open_listener, parse_url
+from flodl.transports.socket_stream import SocketStream
 from flodl.transports.tcp import TcpListener
 
 
@@ -34,7 +35,7 @@ async def test_both_ends_have_nagle_off() -> None:
         server = await listener.accept()
         async with client, server:
             for stream in (client, server):
-                assert isinstance(stream, trio.SocketStream)
+                assert isinstance(stream, SocketStream)
                 assert stream.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
 
