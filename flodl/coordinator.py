@@ -4,8 +4,11 @@ All decisions are made by :class:`flodl.core.machine.CoordinatorMachine`; this m
 bytes and time into it and carries its effects out. One nursery owns every task:
 
 * the admission server (handshake under a deadline, unique ranks; :mod:`flodl.admission`);
-* per rank: a reader (frames -> machine) and a writer (an outbox -> frames), so a slow rank
-  never blocks a broadcast to the others;
+* per rank: a reader (frames -> machine) and a writer, so a slow rank never blocks a
+  broadcast to the others. What the machine sends is queued per rank and, once the effects
+  of an event are carried out, written straight to each stream that takes it without
+  waiting (one step for a whole broadcast rather than a task wake-up per rank); the writer
+  only sends what a stream could not take at once;
 * the heartbeat task, which beats every ``heartbeat_interval`` whatever else is waiting;
 * the deadline task, which sleeps in a cancel scope until the machine's next deadline
   (silence deaths, the window-completion ceiling, the stall ceiling, rendezvous retries).
@@ -46,7 +49,7 @@ from flodl.wire.codec import EncodedMessage, encode_message
 from flodl.wire.messages import CoordHeartbeat, Message
 
 _Outgoing = Message | EncodedMessage
-"""What an outbox holds: a message, or one whose payload a broadcast encoded once for all."""
+"""What a rank's queue holds: a message, or one whose payload a broadcast encoded once."""
 
 log = logging.getLogger("flodl.coordinator")
 
@@ -67,11 +70,19 @@ HEARTBEAT_SLOTS = 16
 """The heartbeat interval is cut into this many slots; each rank beats in one of them."""
 
 
-@attrs.define
+@attrs.define(eq=False)
 class _RankLink:
     rank: int
-    outbox: trio.MemorySendChannel[_Outgoing]
+    channel: Channel
     scope: trio.CancelScope
+    errors: list[BaseException] = attrs.field(factory=list)
+    pending: list[_Outgoing] = attrs.field(factory=list)
+    """Messages for the rank not yet handed to its channel, in order."""
+    writer_busy: bool = False
+    """The writer task owns the channel's sending side (nothing is written around it)."""
+    wake: trio.Event = attrs.field(factory=trio.Event)
+    """Set when the writer has something to send."""
+    closed: bool = False
 
 
 class Coordinator:
@@ -86,6 +97,8 @@ class Coordinator:
         self._finished = trio.Event()
         self._deadline_scope: trio.CancelScope | None = None
         self._link_closed = trio.Event()
+        self._dirty: list[_RankLink] = []
+        """Links with pending messages, to be written once the current effects are done."""
         self.rank_errors: list[tuple[int | None, BaseException]] = []
         """Every connection that ended in an error, in order (rank None: before the handshake)."""
 
@@ -125,15 +138,14 @@ class Coordinator:
         machine hears of the disconnect at once, and the error is re-raised (unwrapped) for
         the admission server to report.
         """
-        outbox_send, outbox_receive = trio.open_memory_channel[_Outgoing](OUTBOX_LIMIT)
         scope = trio.CancelScope()
-        link = _RankLink(rank, outbox_send, scope)
+        link = _RankLink(rank, channel, scope)
         self._links[rank] = link
-        errors: list[BaseException] = []
+        errors = link.errors
         try:
             with scope:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._write_loop, channel, outbox_receive, link, errors)
+                    nursery.start_soon(self._write_loop, link)
                     self._perform(self._machine.on_connect(rank, trio.current_time()))
                     try:
                         await self._read_loop(rank, channel)
@@ -143,7 +155,8 @@ class Coordinator:
         finally:
             if self._links.get(rank) is link:
                 del self._links[rank]
-            outbox_send.close()
+            link.closed = True
+            link.pending.clear()
             self._link_closed.set()
             self._link_closed = trio.Event()
             reason = f"{type(errors[0]).__name__}: {errors[0]}" if errors else "connection closed"
@@ -170,26 +183,24 @@ class Coordinator:
                 self._apply(machine.on_message(rank, message, now))
             self._after_effects()
 
-    async def _write_loop(
-        self,
-        channel: Channel,
-        outbox: trio.MemoryReceiveChannel[_Outgoing],
-        link: _RankLink,
-        errors: list[BaseException],
-    ) -> None:
-        # Whatever queued up while the last write was under way (a window's SyncNow,
-        # SetGlobalStep and ExtendPartition, say) goes out in one write.
+    async def _write_loop(self, link: _RankLink) -> None:
+        # Sends what the direct writes of _flush could not: the rest of a partly written
+        # write, and whatever queued meanwhile, in one write per wake-up.
+        channel = link.channel
         try:
-            async for message in outbox:
-                batch = [message]
-                while True:
-                    try:
-                        batch.append(outbox.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-                await channel.send_many(batch)
+            while True:
+                await link.wake.wait()
+                link.wake = trio.Event()
+                link.writer_busy = True
+                try:
+                    await channel.flush()
+                    while link.pending:
+                        batch, link.pending = link.pending, []
+                        await channel.send_many(batch)
+                finally:
+                    link.writer_busy = False
         except _CONNECTION_ERRORS as err:
-            errors.append(err)
+            link.errors.append(err)
             link.scope.cancel()
 
     async def heartbeat_loop(self) -> None:
@@ -209,6 +220,7 @@ class Coordinator:
                 link = self._links.get(rank)
                 if link is not None:
                     self._enqueue(link, beat)
+            self._flush()
             slot += 1
             await trio.sleep_until(started + slot * interval / HEARTBEAT_SLOTS)
 
@@ -265,7 +277,10 @@ class Coordinator:
                     link.scope.cancel()
 
     def _after_effects(self) -> None:
-        """Notice the end of the run, and pull the deadline loop's wake-up earlier if needed."""
+        """Write what the effects queued, notice the end of the run, and pull the deadline
+        loop's wake-up earlier if needed."""
+        if self._dirty:
+            self._flush()
         if self._machine.finished and not self._finished.is_set():
             self._finished.set()
         scope = self._deadline_scope
@@ -275,17 +290,40 @@ class Coordinator:
                 scope.deadline = deadline
 
     def _enqueue(self, link: _RankLink, message: _Outgoing) -> None:
-        try:
-            link.outbox.send_nowait(message)
-        except trio.WouldBlock:
+        """Queue ``message`` for ``link``'s rank (written by :meth:`_flush` or the writer)."""
+        if link.closed:
+            return
+        pending = link.pending
+        if len(pending) >= OUTBOX_LIMIT:
             log.warning(
                 "rank %d cannot keep up (%d messages queued): disconnecting",
                 link.rank,
                 OUTBOX_LIMIT,
             )
             link.scope.cancel()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+            return
+        if not pending and not link.writer_busy:
+            self._dirty.append(link)
+        pending.append(message)
+
+    def _flush(self) -> None:
+        """Write each queued link's messages now where its stream takes them without waiting;
+        hand the rest to the link's writer task. Never waits."""
+        dirty, self._dirty = self._dirty, []
+        for link in dirty:
+            if link.closed or link.writer_busy or not link.pending:
+                continue  # the writer sends what is pending once it is done
+            batch, link.pending = link.pending, []
+            try:
+                if link.channel.send_nowait(batch):
+                    continue
+            except trio.WouldBlock:
+                link.pending[:0] = batch  # not sent: the writer sends it, in order
+            except _CONNECTION_ERRORS as err:
+                link.errors.append(err)
+                link.scope.cancel()
+                continue
+            link.wake.set()
 
 
 @asynccontextmanager

@@ -73,6 +73,8 @@ class Channel:
         )
         self._send_lock = trio.Lock()
         self._send_broken: BaseException | None = None
+        self._unsent = b""
+        """The tail of frames :meth:`send_nowait` could not write at once (:meth:`flush`)."""
         self._receiving = False
         self._peer_closed = False
         self._ready: deque[Message] = deque()
@@ -110,19 +112,9 @@ class Channel:
         try:
             if self._send_broken is not None:
                 raise BrokenChannel(f"cannot send: an earlier send failed ({self._send_broken!r})")
-            encode = self._encoder.encode
-            too_large: FrameTooLarge | None = None
-            if len(messages) == 1:
-                data = encode(messages[0])
-            else:
-                frames = []
-                for message in messages:
-                    try:
-                        frames.append(encode(message))
-                    except FrameTooLarge as err:
-                        too_large = err
-                        break
-                data = b"".join(frames)
+            data, too_large = self._encode(messages)
+            if self._unsent:
+                data, self._unsent = self._unsent + data, b""
             if data:
                 try:
                     await self._stream.send_all(data)
@@ -136,6 +128,56 @@ class Channel:
                 raise too_large
         finally:
             lock.release()
+
+    async def flush(self) -> None:
+        """Write what :meth:`send_nowait` left unsent (nothing to do if it left nothing).
+
+        Same guarantees as :meth:`send`.
+        """
+        await self.send_many(())
+
+    def send_nowait(self, messages: Sequence[Message | EncodedMessage]) -> bool:
+        """Send ``messages`` in order without waiting, if the stream allows it.
+
+        True: every byte is written. False: the frames are numbered and partly written; the
+        rest goes out with the next :meth:`send_many` or :meth:`flush`, before anything sent
+        later. Raises ``trio.WouldBlock`` (nothing encoded or sent) when an async send holds
+        the channel or the stream cannot write without waiting (only streams with a
+        ``send_nowait(data) -> int`` method can); BrokenChannel and FrameTooLarge as
+        :meth:`send_many` (frames before a too-large one are still sent).
+        """
+        stream_send = getattr(self._stream, "send_nowait", None)
+        if stream_send is None or self._send_lock.locked() or self._unsent:
+            raise trio.WouldBlock
+        if self._send_broken is not None:
+            raise BrokenChannel(f"cannot send: an earlier send failed ({self._send_broken!r})")
+        data, too_large = self._encode(messages)
+        if data:
+            try:
+                written = stream_send(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
+                self._send_broken = err
+                names = ", ".join(_name_of(m) for m in messages)
+                raise BrokenChannel(f"cannot send {names}: {err}") from err
+            self._unsent = data[written:]
+        if too_large is not None:
+            raise too_large
+        return not self._unsent
+
+    def _encode(
+        self, messages: Sequence[Message | EncodedMessage]
+    ) -> tuple[bytes, FrameTooLarge | None]:
+        """The frames of ``messages`` up to a too-large one (and that error, if any)."""
+        encode = self._encoder.encode
+        if len(messages) == 1:
+            return encode(messages[0]), None
+        frames = []
+        for message in messages:
+            try:
+                frames.append(encode(message))
+            except FrameTooLarge as err:
+                return b"".join(frames), err
+        return b"".join(frames), None
 
     async def send_eof(self) -> None:
         """Say "no more messages from this side" and keep receiving (half-closeable streams).

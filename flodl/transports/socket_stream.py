@@ -68,6 +68,25 @@ class SocketStream(trio.abc.HalfCloseableStream):
         finally:
             self._sending = False
 
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> int:
+        """Write as much of ``data`` as the socket takes now; the number of bytes (0 if none).
+
+        Never waits and is not a checkpoint (for callers that write many streams in one
+        step). Raises BusyResourceError while :meth:`send_all` is under way, and
+        ClosedResourceError / BrokenResourceError as :meth:`send_all` does.
+        """
+        if self._sending:
+            raise trio.BusyResourceError("another task is already sending on this stream")
+        if self._eof_sent:
+            raise trio.ClosedResourceError("cannot send data after sending EOF")
+        self._check_open()
+        try:
+            return self.socket.send(data)
+        except BlockingIOError:
+            return 0
+        except OSError as err:
+            raise _translate(err) from err
+
     async def wait_send_all_might_not_block(self) -> None:
         if self._sending:
             raise trio.BusyResourceError("another task is already sending on this stream")
