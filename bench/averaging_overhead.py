@@ -10,8 +10,10 @@ alike, with a 1-element all-reduce barrier before each:
 * ``bare``: ``allreduce`` (SUM) of one flat float32 buffer of the size flodl reduces
   (parameters + mass + mover + float buffers), called directly;
 * ``flodl``: ``await backend.average(params, buffers, batches)``, exactly what a rank does on
-  SyncNow: scratch copy with the mass rule, the SUM all-reduce, divide once, checksum verify
-  collective, write-back with the divergence norms, all in worker threads;
+  SyncNow: the mass-weighted copy into scratch, the SUM all-reduce in buckets, the checksum
+  verify collective (``verify_every`` 10, as a rank: the first round of a group and every
+  tenth), the divergence norms with the divide done block by block as buckets land, and the
+  parameters made views of the averaged buffer, all in a worker thread;
 * ``flodl_no_verify``: the same with ``backend.verify = False``;
 * ``stages``: the stages of that round run one by one on the calling thread (no trio thread
   hop), each timed, to say where the time goes.
@@ -41,20 +43,14 @@ import torch.distributed as dist
 import trio
 from torch._C._distributed_c10d import ProcessGroupGloo
 
-from flodl.backends.averaging import (
-    FlatLayout,
-    apply_average,
-    bit_checksum,
-    finish_average,
-    pack,
-    read_sums,
-)
+from flodl.backends.averaging import FlatLayout, bit_checksum, divisors, pack, read_sums
 from flodl.backends.gloo import GlooBackend
 from flodl.backends.group import GroupInfo, connect_store, host_store
+from flodl.backends.pipeline import BucketPlan, ScratchPool, _Norms, install, members
 
 HERE = Path(__file__).resolve()
 VARIANTS = ("bare", "flodl", "flodl_no_verify", "stages")
-STAGES = ("pack", "allreduce", "finish", "checksum", "verify_allreduce", "apply_norms")
+STAGES = ("pack", "allreduce", "checksum", "verify_allreduce", "norms_divide", "install")
 
 
 def build_model(width: int = 1024, layers: int = 10) -> torch.nn.Module:
@@ -80,32 +76,54 @@ class Bare:
         self.allreduce(torch.zeros(1), dist.ReduceOp.SUM)
 
 
-def staged_round(
-    bare: Bare,
-    params: Sequence[torch.Tensor],
-    buffers: Sequence[torch.Tensor],
-    batches: int,
-) -> dict[str, float]:
-    """flodl's round, stage by stage on this thread (the same functions the backend calls)."""
-    times: dict[str, float] = {}
-    clock = time.perf_counter
-    t = clock()
-    layout = FlatLayout.of(params, buffers)
-    flat = pack(params, buffers, layout, batches, 1.0)
-    times["pack"], t = clock() - t, clock()
-    bare.allreduce(flat, dist.ReduceOp.SUM)
-    times["allreduce"], t = clock() - t, clock()
-    reduced = read_sums(flat, layout)
-    finish_average(flat, layout, reduced)
-    times["finish"], t = clock() - t, clock()
-    check = bit_checksum(flat)
-    times["checksum"], t = clock() - t, clock()
-    pair = torch.tensor([check, -check], dtype=torch.int64)
-    bare.allreduce(pair, dist.ReduceOp.MAX)
-    times["verify_allreduce"], t = clock() - t, clock()
-    apply_average(flat, layout, params, buffers)
-    times["apply_norms"] = clock() - t
-    return times
+class Staged:
+    """flodl's round, stage by stage on this thread, with the functions the backend calls: one
+    bucket, two scratch buffers that alternate (as the backend's after a swapping install)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
+        self.layout = FlatLayout.of(params, buffers)
+        self.plan = BucketPlan.of(self.layout, None)
+        self.scratch = [ScratchPool().take(self.plan) for _ in range(2)]
+        self.turn = 0
+
+    @torch.no_grad()
+    def round(
+        self,
+        bare: Bare,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        batches: int,
+    ) -> dict[str, float]:
+        scratch = self.scratch[self.turn]
+        self.turn = 1 - self.turn
+        flat, layout = scratch.flat, self.layout
+        times: dict[str, float] = {}
+        clock = time.perf_counter
+        t = clock()
+        pack(params, buffers, layout, batches, 1.0, out=flat)
+        times["pack"], t = clock() - t, clock()
+        bare.allreduce(flat, dist.ReduceOp.SUM)
+        times["allreduce"], t = clock() - t, clock()
+        check = bit_checksum(flat)
+        times["checksum"], t = clock() - t, clock()
+        pair = torch.tensor([check, -check], dtype=torch.int64)
+        bare.allreduce(pair, dist.ReduceOp.MAX)
+        times["verify_allreduce"], t = clock() - t, clock()
+        reduced = read_sums(flat, layout)
+        by_mass, by_movers = divisors(reduced)
+        sources = members(params, buffers, layout)
+        norms = _Norms()
+        for piece in self.plan.buckets[0].pieces:
+            summed = flat[piece.start : piece.end]
+            if piece.is_param:
+                source = sources[piece.member][piece.offset : piece.offset + summed.numel()]
+                norms.take(summed, source, by_mass, scratch.spare)
+            else:
+                summed.div_(by_movers)
+        times["norms_divide"], t = clock() - t, clock()
+        install(flat, layout, params, buffers, swap=True)
+        times["install"] = clock() - t
+        return times
 
 
 async def rank_main(
@@ -127,6 +145,7 @@ async def rank_main(
     bare = await trio.to_thread.run_sync(Bare, bare_info, rank, world)
     layout = FlatLayout.of(params, buffers)
     flat = torch.zeros(layout.total)
+    staged = Staged(params, buffers)
     batches = 10 + rank  # unequal masses, as after a Cadence window
 
     def timed(fn: Callable[[], object]) -> float:
@@ -156,7 +175,7 @@ async def rank_main(
                     row["flodl_no_verify"] = await flodl_round(False)
                 else:
                     bare.barrier()
-                    row.update(staged_round(bare, params, buffers, batches))
+                    row.update(staged.round(bare, params, buffers, batches))
             keys = sorted(row)
             worst = torch.tensor([row[k] for k in keys], dtype=torch.float64)
             bare.allreduce(worst, dist.ReduceOp.MAX)
