@@ -4,11 +4,18 @@ All decisions are made by :class:`flodl.core.machine.CoordinatorMachine`; this m
 bytes and time into it and carries its effects out. One nursery owns every task:
 
 * the admission server (handshake under a deadline, unique ranks; :mod:`flodl.admission`);
-* per rank: a reader (frames -> machine) and a writer, so a slow rank never blocks a
-  broadcast to the others. What the machine sends is queued per rank and, once the effects
-  of an event are carried out, written straight to each stream that takes it without
-  waiting (one step for a whole broadcast rather than a task wake-up per rank); the writer
-  only sends what a stream could not take at once;
+* per rank: a task that owns the connection (its cancel scope ends it) with a writer, so a
+  slow rank never blocks a broadcast to the others. What the machine sends is queued per
+  rank and, once the effects of an event are carried out, written straight to each stream
+  that takes it without waiting (one step for a whole broadcast rather than a task wake-up
+  per rank); the writer only sends what a stream could not take at once;
+* reading: ranks over sockets (tcp://, unix://) are all read by one task, a
+  :class:`~flodl.transports.socket_reader.SocketReader` started with the first of them: one
+  trio wake-up serves every socket readable at that moment, where a reader task per rank
+  cost a wake-up per socket for about two messages (at 1,024 ranks that wake-up was most of
+  the coordinator's cost per message; the figures are in docs/benchmarks.md). Ranks without
+  a socket (memory://) keep a read loop of their own. Both hand the machine the same
+  messages in the same order, at the time they were read, and end a rank the same way;
 * the heartbeat task, which beats every ``heartbeat_interval`` whatever else is waiting;
 * the deadline task, which sleeps in a cancel scope until the machine's next deadline
   (silence deaths, the window-completion ceiling, the stall ceiling, rendezvous retries).
@@ -24,7 +31,8 @@ coordinator down. Usage::
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterable
+import select
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 
 import attrs
@@ -45,6 +53,7 @@ from flodl.errors import (
 )
 from flodl.transports import open_listener
 from flodl.transports.channel import Channel
+from flodl.transports.socket_reader import SocketReader
 from flodl.wire.codec import EncodedMessage, encode_message
 from flodl.wire.messages import CoordHeartbeat, Message
 
@@ -101,6 +110,9 @@ class Coordinator:
         """Links with pending messages, to be written once the current effects are done."""
         self.rank_errors: list[tuple[int | None, BaseException]] = []
         """Every connection that ended in an error, in order (rank None: before the handshake)."""
+        self._tasks: trio.Nursery | None = None
+        """Where the socket reader's task runs (the coordinator's nursery)."""
+        self._reader: SocketReader | None = None
 
     # --- public ---------------------------------------------------------------------------
 
@@ -136,7 +148,7 @@ class Coordinator:
 
         A bad frame, a broken stream or a rank that cannot keep up ends this connection: the
         machine hears of the disconnect at once, and the error is re-raised (unwrapped) for
-        the admission server to report.
+        the admission server to report. On return the channel is no longer read.
         """
         scope = trio.CancelScope()
         link = _RankLink(rank, channel, scope)
@@ -147,11 +159,19 @@ class Coordinator:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._write_loop, link)
                     self._perform(self._machine.on_connect(rank, trio.current_time()))
-                    try:
-                        await self._read_loop(rank, channel)
-                    except _CONNECTION_ERRORS as err:
-                        errors.append(err)
-                    nursery.cancel_scope.cancel()
+                    reader = self._socket_reader(channel)
+                    if reader is not None:
+                        try:
+                            reader.add(channel, *self._reader_handlers(link, reader))
+                            await trio.sleep_forever()  # until the reader or anyone ends it
+                        finally:
+                            reader.discard(channel)
+                    else:
+                        try:
+                            await self._read_loop(rank, channel)
+                        except _CONNECTION_ERRORS as err:
+                            errors.append(err)
+                        nursery.cancel_scope.cancel()
         finally:
             if self._links.get(rank) is link:
                 del self._links[rank]
@@ -164,24 +184,66 @@ class Coordinator:
         if errors:
             raise errors[0]
 
+    def _socket_reader(self, channel: Channel) -> SocketReader | None:
+        """The shared reader, started on first use, if ``channel`` is for it; else None."""
+        if self._tasks is None or not hasattr(select, "epoll"):
+            return None
+        if not SocketReader.can_read(channel):
+            return None
+        if self._reader is None:
+            self._reader = SocketReader()
+            self._tasks.start_soon(self._reader.run, self._after_effects)
+        return self._reader
+
+    def _reader_handlers(
+        self, link: _RankLink, reader: SocketReader
+    ) -> tuple[Callable[[list[Message], float], None], Callable[[Exception | None], None]]:
+        """What the shared reader calls for ``link``'s messages and for the end of its channel
+        (both end the connection as :meth:`_read_loop` would)."""
+
+        def ended(error: Exception | None) -> None:
+            if error is not None:
+                link.errors.append(error)
+            link.scope.cancel()
+
+        def on_messages(batch: list[Message], now: float) -> None:
+            if link.scope.cancel_called:
+                # Ended (disconnected, too slow) but its task has not run yet: a read loop
+                # would read nothing more either.
+                reader.discard(link.channel)
+                return
+            try:
+                self._handle_batch(link.rank, batch, now)
+            except ProtocolError as err:
+                reader.discard(link.channel)
+                ended(err)
+
+        return on_messages, ended
+
     async def _read_loop(self, rank: int, channel: Channel) -> None:
         # Every message already buffered is handled in one go: one clock read and one
         # deadline check per wake-up rather than per message (they arrived together).
-        machine = self._machine
         while True:
             try:
                 batch = await channel.receive_batch()
             except ChannelClosed:
                 return
-            now = trio.current_time()
-            for message in batch:
-                claimed = getattr(message, "rank", rank)
-                if claimed != rank:
-                    raise ProtocolError(
-                        f"rank {rank} sent {type(message).__name__} claiming to be rank {claimed}"
-                    )
-                self._apply(machine.on_message(rank, message, now))
-            self._after_effects()
+            try:
+                self._handle_batch(rank, batch, trio.current_time())
+            finally:
+                self._after_effects()
+
+    def _handle_batch(self, rank: int, batch: list[Message], now: float) -> None:
+        """Feed ``rank``'s messages to the machine in order, all at ``now``; ProtocolError
+        (the rest not handled) if one claims another rank."""
+        machine = self._machine
+        for message in batch:
+            claimed = getattr(message, "rank", rank)
+            if claimed != rank:
+                raise ProtocolError(
+                    f"rank {rank} sent {type(message).__name__} claiming to be rank {claimed}"
+                )
+            self._apply(machine.on_message(rank, message, now))
 
     async def _write_loop(self, link: _RankLink) -> None:
         # Sends what the direct writes of _flush could not: the rest of a partly written
@@ -359,6 +421,7 @@ async def open_coordinator(
     coordinator = Coordinator(machine, config, listener.url)
     try:
         async with trio.open_nursery() as nursery:
+            coordinator._tasks = nursery
             nursery.start_soon(coordinator.deadline_loop)
             nursery.start_soon(coordinator.heartbeat_loop)
             await nursery.start(
@@ -376,6 +439,9 @@ async def open_coordinator(
                 await coordinator.wait_all_hung_up()
             nursery.cancel_scope.cancel()
     finally:
+        coordinator._tasks = None
+        if coordinator._reader is not None:
+            coordinator._reader.close()
         with trio.CancelScope(shield=True):
             await listener.aclose()
 

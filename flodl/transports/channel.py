@@ -218,23 +218,11 @@ class Channel:
             raise trio.BusyResourceError("another task is already receiving on this channel")
         self._receiving = True
         try:
-            if self._ready:
-                held = list(self._ready)
-                self._ready.clear()
+            held = self._take_held()
+            if held:
                 return held
-            pending_error = self._pending_error
-            if pending_error is not None:
-                self._pending_error = None  # from now on the poisoned decoder answers
-                raise pending_error
-            decoder = self._decoder
-            batch: list[Message] = []
             while True:
-                try:
-                    decoder.read_into(batch)
-                except Exception as err:
-                    if not batch:
-                        raise
-                    self._pending_error = err
+                batch = self._decode()
                 if batch:
                     return batch
                 if self._peer_closed:
@@ -243,13 +231,79 @@ class Channel:
                     data = await self._stream.receive_some(RECEIVE_CHUNK)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
                     raise BrokenChannel(f"stream broke while receiving: {err!r}") from err
-                if not data:
-                    decoder.end_of_stream()
-                    self._peer_closed = True
-                    raise ChannelClosed("the peer closed the channel")
-                decoder.feed(data)
+                self._feed(data)
         finally:
             self._receiving = False
+
+    def receive_batch_nowait(self, max_bytes: int = RECEIVE_CHUNK) -> list[Message]:
+        """Like :meth:`receive_batch`, but reads the stream at most once, at most ``max_bytes``,
+        and never waits: [] when no complete message has arrived yet.
+
+        Not a checkpoint. Needs a stream with ``receive_nowait(max_bytes) -> bytes`` (the
+        socket streams); others raise ``trio.WouldBlock`` unless a result is held. Errors and
+        their order as :meth:`receive_batch`; after a call that returned messages,
+        :attr:`holds_result` says whether the next call answers without reading (a wire error
+        found behind them): a caller waiting for readability must call again then.
+        """
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this channel")
+        held = self._take_held()
+        if held:
+            return held
+        batch = self._decode()
+        if batch:
+            return batch
+        if self._peer_closed:
+            raise ChannelClosed("the peer closed the channel")
+        receive_nowait = getattr(self._stream, "receive_nowait", None)
+        if receive_nowait is None:
+            raise trio.WouldBlock
+        try:
+            data = receive_nowait(max_bytes)
+        except trio.WouldBlock:
+            return batch
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
+            raise BrokenChannel(f"stream broke while receiving: {err!r}") from err
+        self._feed(data)
+        return self._decode()
+
+    @property
+    def holds_result(self) -> bool:
+        """True when the next receive answers without reading the stream (messages, or a wire
+        error found behind earlier ones)."""
+        return bool(self._ready) or self._pending_error is not None
+
+    def _take_held(self) -> list[Message]:
+        """Messages held back by :meth:`receive`, else raise a held wire error, else []."""
+        if self._ready:
+            held = list(self._ready)
+            self._ready.clear()
+            return held
+        pending_error = self._pending_error
+        if pending_error is not None:
+            self._pending_error = None  # from now on the poisoned decoder answers
+            raise pending_error
+        return []
+
+    def _decode(self) -> list[Message]:
+        """Every complete message fed so far; a wire error behind some is held for later."""
+        batch: list[Message] = []
+        try:
+            self._decoder.read_into(batch)
+        except Exception as err:
+            if not batch:
+                raise
+            self._pending_error = err
+        return batch
+
+    def _feed(self, data: bytes | bytearray) -> None:
+        """Give ``data`` read from the stream to the decoder; b"" is the end of the stream
+        (ChannelClosed, or TruncatedFrame mid-frame)."""
+        if not data:
+            self._decoder.end_of_stream()
+            self._peer_closed = True
+            raise ChannelClosed("the peer closed the channel")
+        self._decoder.feed(data)
 
     def __aiter__(self) -> Self:
         return self

@@ -142,6 +142,23 @@ class SocketStream(trio.abc.HalfCloseableStream):
         finally:
             self._receiving = False
 
+    def receive_nowait(self, max_bytes: int = DEFAULT_RECEIVE_SIZE) -> bytes:
+        """What the socket holds now, at most ``max_bytes``; b"" at the end of the stream.
+
+        Never waits and is not a checkpoint (for one task that reads many sockets as they
+        become readable: :mod:`flodl.transports.socket_reader`). Raises ``trio.WouldBlock``
+        when nothing has arrived, BusyResourceError while :meth:`receive_some` is under way,
+        and ClosedResourceError / BrokenResourceError as :meth:`receive_some` does.
+        """
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this stream")
+        try:
+            return self.socket.recv(max_bytes)
+        except BlockingIOError:
+            raise trio.WouldBlock from None
+        except OSError as err:
+            raise _translate(err) from err
+
     # --- closing and options --------------------------------------------------------------
 
     async def aclose(self) -> None:
