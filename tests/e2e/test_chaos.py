@@ -230,6 +230,23 @@ async def test_sigkill_of_the_generator_while_it_hosts_the_group(tmp_path: Path)
     assert run.fault(0)["generation"] is None  # it never joined a group
 
 
+async def test_sigkill_of_the_generator_while_it_forms_a_later_generation(
+    tmp_path: Path,
+) -> None:
+    # Rank 3 dies computing; rank 0, the generator of generation 1 (the lowest survivor on
+    # the coordinator's host), dies inside prepare_group for it; the rendezvous retries with
+    # rank 1 and the last two survivors finish the run.
+    run = await chaos_run(tmp_path / "run", 4, ["3:kill-compute:40", "0:kill-generator:1"])
+    assert_completed(run, [1, 2])
+    assert_identical_after_every_round(run, [1, 2], [0, 3])
+    assert_deaths(run, {0: "disconnected", 3: "disconnected"})
+    assert run.summary["ranks"][0]["exit_code"] == SIGKILLED
+    assert run.fault(0)["generation"] == 0  # it had averaged in generation 0
+    assert run.fault(3)["batches"] == 40
+    later = [generation for _, generation, _ in run.hashes(1) if generation > 0]
+    assert later and min(later) >= 1, run.hashes(1)
+
+
 async def test_two_ranks_killed_at_once(tmp_path: Path) -> None:
     # Both die computing the first batch after their 4th average: within milliseconds.
     run = await chaos_run(tmp_path / "run", 4, ["1:kill-after-sync:4", "3:kill-after-sync:4"])
