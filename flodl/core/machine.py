@@ -32,6 +32,7 @@ from flodl.config import CoordinatorConfig
 from flodl.core.cycle import Cycle, Policy
 from flodl.core.effects import Broadcast, Send
 from flodl.core.elche import ElChe, RankWindow, elche_for_world
+from flodl.core.epochs import EpochTallies
 from flodl.core.fill import IdleFill
 from flodl.core.guards import Guard, make_guard
 from flodl.core.liveness import Liveness, LossCause, RankLost, unrecoverable_reason
@@ -43,7 +44,6 @@ from flodl.wire.messages import (
     Batch,
     CheckpointResult,
     DeclareDead,
-    EpochAggregated,
     Exiting,
     Heartbeat,
     Intent,
@@ -140,14 +140,6 @@ class _Window:
     chunk_reports: int = 0
 
 
-@attrs.define
-class _EpochTally:
-    loss_sum: float = 0.0
-    batches: int = 0
-    wall_ms: dict[int, float] = attrs.field(factory=dict)
-    scalars: dict[str, list[float]] = attrs.field(factory=dict)
-
-
 class CoordinatorMachine:
     """All of the coordinator's decisions for a run of ``world_size`` ranks.
 
@@ -215,7 +207,7 @@ class CoordinatorMachine:
         self._window_wait_until: float | None = None
         self._idle_fill = IdleFill()
         self._divergences: list[float] = []
-        self._tallies: dict[int, _EpochTally] = {}
+        self._tallies = EpochTallies()
         self._join_deadline: float | None = now + join_timeout
         self._shutdown_pending = False
         self._checkpoint_requests: set[int] = set()
@@ -531,9 +523,7 @@ class CoordinatorMachine:
         epoch, left = self.work.complete(rank)
         idle_now = False
         if epoch is not None:
-            tally = self._tally(epoch)
-            tally.loss_sum += batch.batch_loss if math.isfinite(batch.batch_loss) else 0.0
-            tally.batches += 1
+            self._tallies.on_batch(epoch, batch.batch_loss)
             if left == 0:
                 self._awaiting_completion.add(rank)
                 self._filling.discard(rank)
@@ -583,12 +573,6 @@ class CoordinatorMachine:
             self._filling.add(rank)  # a round triggered meanwhile waits for this batch
         return sends
 
-    def _tally(self, epoch: int) -> _EpochTally:
-        tally = self._tallies.get(epoch)
-        if tally is None:  # not setdefault: that would build a tally on every report
-            tally = self._tallies[epoch] = _EpochTally()
-        return tally
-
     def _on_metrics(self, rank: int, metrics: Metrics, now: float) -> list[Effect]:
         if rank not in self._member_set:
             return []
@@ -596,10 +580,7 @@ class CoordinatorMachine:
         window.delivered_ms += metrics.epoch_ms
         window.chunk_reports += 1
         self._awaiting_completion.discard(rank)
-        tally = self._tally(metrics.epoch)
-        tally.wall_ms[rank] = tally.wall_ms.get(rank, 0.0) + metrics.epoch_ms
-        for name, value in metrics.scalars:
-            tally.scalars.setdefault(name, []).append(value)
+        self._tallies.on_metrics(rank, metrics)
         effects = self._maybe_aggregate(now)
         if self._window_wait_until is not None and not self._movers_awaited():
             effects += self._start_round(now, delivered=True)
@@ -730,36 +711,9 @@ class CoordinatorMachine:
         return effects
 
     def _aggregate(self, pool: ChunkPool, now: float) -> list[Effect]:
-        epoch = pool.epoch
-        ledger = pool.ledger
-        tally = self._tallies.pop(epoch, _EpochTally())
-        avg_loss = tally.loss_sum / tally.batches if tally.batches else math.nan
-        epoch_ms = max(tally.wall_ms.values(), default=0.0)
-        samples = sum(ledger.completed(rank) for rank in range(self.world_size))
-        samples *= ledger.batch_size
-        throughput = []
-        for rank in self.members:
-            wall = tally.wall_ms.get(rank, 0.0)
-            done = ledger.completed(rank) * ledger.batch_size
-            throughput.append(done / (wall / 1000.0) if wall > 0 else 0.0)
-        scalars = {k: sum(v) / len(v) for k, v in tally.scalars.items() if v}
-        result = {
-            "epoch": epoch,
-            "avg_loss": avg_loss,
-            "samples": samples,
-            "epoch_ms": epoch_ms,
-            **scalars,
-        }
+        result, message = self._tallies.aggregate(pool, self.members, self.world_size)
         self.epoch_results.append(result)
         self.timeline.add(now, EventKind.EPOCH_AGGREGATED, **result)
-        message = EpochAggregated(
-            epoch=epoch,
-            avg_loss=avg_loss,
-            samples=samples,
-            epoch_ms=epoch_ms,
-            rank_throughput=tuple(throughput),
-            scalars=tuple(sorted(scalars.items())),
-        )
         return [Broadcast(message, self.members)]
 
     # --- losses -----------------------------------------------------------------------------
