@@ -250,9 +250,10 @@ class Channel:
         held = self._take_held()
         if held:
             return held
-        batch = self._decode()
-        if batch:
-            return batch
+        if self._decoder.buffered:  # (every read is decoded at once: usually nothing here)
+            batch = self._decode()
+            if batch:
+                return batch
         if self._peer_closed:
             raise ChannelClosed("the peer closed the channel")
         receive_nowait = getattr(self._stream, "receive_nowait", None)
@@ -261,7 +262,7 @@ class Channel:
         try:
             data = receive_nowait(max_bytes)
         except trio.WouldBlock:
-            return batch
+            return []
         except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
             raise BrokenChannel(f"stream broke while receiving: {err!r}") from err
         self._feed(data)
