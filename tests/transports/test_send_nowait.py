@@ -1,6 +1,7 @@
 """Channel.send_nowait: frames written without waiting over a real unix socket; what the
 socket cannot take goes out first with the next flush, so the peer sees every frame in order
-(its decoder checks the sequence numbers); streams without the capability refuse up front."""
+(its decoder checks the sequence numbers); streams without the capability refuse up front.
+The reading side: receive_nowait / receive_batch_nowait take what has arrived, never wait."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from flodl.errors import ChannelClosed
 from flodl.transports import connect, open_listener
 from flodl.transports.channel import Channel
 from flodl.transports.memory_stream import memory_stream_pair
@@ -95,3 +97,38 @@ async def test_socket_stream_send_nowait_reports_bytes_and_closed(tmp_path: Path
     with pytest.raises(trio.ClosedResourceError):
         server.send_nowait(b"x")
     await client.aclose()
+
+
+async def test_receive_nowait_reads_what_arrived_without_waiting(tmp_path: Path) -> None:
+    sender, receiver = await unix_pair(tmp_path)
+    stream = receiver.stream
+    assert isinstance(stream, SocketStream)
+    with pytest.raises(trio.WouldBlock):
+        stream.receive_nowait()
+    assert receiver.receive_batch_nowait() == []  # nothing yet: no wait, no error
+    first, second = SyncNow(round=1, generation=0), SyncNow(round=2, generation=0)
+    frames = encode_frames(sender, [first, second])
+    await sender.stream.send_all(frames[:-4])
+    assert receiver.receive_batch_nowait() == [first]  # the second is not complete yet
+    await sender.stream.send_all(frames[-4:])
+    assert receiver.receive_batch_nowait() == [second]
+    await sender.aclose()
+    with pytest.raises(ChannelClosed):
+        receiver.receive_batch_nowait()
+    await receiver.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        stream.receive_nowait()
+
+
+async def test_receive_batch_nowait_needs_a_stream_that_can() -> None:
+    _, right = memory_stream_pair()
+    receiver = Channel(right, send_key=KEY_B, receive_key=KEY_A, receive_tags=TO_RANK_TAGS)
+    with pytest.raises(trio.WouldBlock):
+        receiver.receive_batch_nowait()
+
+
+def encode_frames(channel: Channel, messages: list[Message]) -> bytes:
+    """The frames ``channel`` would send for ``messages`` (numbered as its next ones)."""
+    data, too_large = channel._encode(messages)
+    assert too_large is None
+    return data
