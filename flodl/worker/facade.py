@@ -13,7 +13,9 @@
 The training loop stays plain Python on the calling thread. Each hand-out of a batch is a call
 into the trio thread, which first does whatever the coordinator asked in the meantime
 (averaging included), so the loop and an average never touch the parameters at the same time.
-Heartbeats and control messages are served by the trio thread whatever the loop does.
+``batch.done(loss)`` does not wait for the trio thread: on a busy machine every wait for
+another thread to be scheduled costs up to milliseconds, so a batch costs one such round trip,
+not two. Heartbeats and control messages are served by the trio thread whatever the loop does.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Any, SupportsFloat, TypeVar
 import attrs
 import trio
 
-from flodl.errors import CoordinatorError, FlodlError
+from flodl.errors import ConfigError, CoordinatorError, FlodlError
 from flodl.wire.messages import EpochAggregated
 from flodl.worker.config import WorkerConfig
 from flodl.worker.runtime import Worker, open_worker
@@ -74,6 +76,8 @@ class Rank:
         self._token: trio.lowlevel.TrioToken | None = None
         self._close: trio.Event | None = None
         self._exit_error: BaseException | None = None
+        self._outstanding = False
+        """A batch was handed out and its done() has not been called yet."""
 
     # --- context manager ------------------------------------------------------------------
 
@@ -177,9 +181,11 @@ class Rank:
         worker = self.worker
         self._call(worker.announce, dataset_size, batch_size, epochs)
         while True:
+            self._outstanding = False  # one not reported is reported by next_batch (NaN loss)
             assignment = self._call(worker.next_batch)
             if assignment is None:
                 return
+            self._outstanding = True
             yield TrainingBatch(
                 epoch=assignment.epoch,
                 positions=range(assignment.start, assignment.stop),
@@ -188,12 +194,21 @@ class Rank:
             )
 
     def step_done(self, loss: SupportsFloat, *, data_ms: float = 0.0) -> None:
-        """Report the current batch finished (same as ``batch.done(loss)``)."""
-        value = float(loss)
-        self._call(self._done, value, data_ms)
+        """Report the current batch finished (same as ``batch.done(loss)``); returns at once.
 
-    async def _done(self, loss: float, data_ms: float) -> None:
-        await self.worker.batch_done(loss, data_ms=data_ms)
+        Raises ConfigError when no batch is outstanding (done twice, or before the first).
+        """
+        detach = getattr(loss, "detach", None)  # a tensor that still requires grad
+        value = float(detach() if callable(detach) else loss)
+        worker, token = self.worker, self._token
+        if not self._outstanding:
+            raise ConfigError("done() without a batch handed out by batches() (or done twice)")
+        self._outstanding = False
+        assert token is not None
+        try:
+            token.run_sync_soon(worker.batch_done_soon, value, float(data_ms))
+        except trio.RunFinishedError:
+            raise CoordinatorError("the rank's trio thread has stopped") from None
 
     def report_final(self, **metrics: float) -> None:
         """Record final metrics (e.g. ``test_accuracy=0.97``) for the run summary."""

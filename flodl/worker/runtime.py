@@ -203,6 +203,9 @@ class Worker:
         self._inbox: deque[Message] = deque()
         self._wakeup = _Wakeup()
         self._current: Assignment | None = None
+        self._reports: deque[Batch] = deque()
+        """Batch reports recorded and not yet handed to the channel (see batch_done_soon)."""
+        self._flushing = False
         self._handed_out_at = 0.0
         self._chunk: _Chunk | None = None
         self._epoch = 0
@@ -276,6 +279,8 @@ class Worker:
             raise ConfigError("announce the job (dataset_size, batch_size, epochs) first")
         if self._current is not None:
             await self.batch_done(math.nan)
+        elif self._reports:
+            await self._flush_reports()  # reports come before whatever the boundary sends
         entered = trio.current_time()
         averaging_before = self.averaging_s
         try:
@@ -308,6 +313,24 @@ class Worker:
         ``batch_ms`` is measured from the hand-out to this call. Never raises for a lost
         coordinator (the next :meth:`next_batch` does).
         """
+        self._reports.append(self._record_done(loss, data_ms))
+        await self._flush_reports()
+
+    def batch_done_soon(self, loss: float, data_ms: float = 0.0) -> None:
+        """:meth:`batch_done` for a caller that will not wait (another thread, through
+        ``TrioToken.run_sync_soon``): the bookkeeping happens now, the report goes out from a
+        task of its own, before anything :meth:`next_batch` sends. Never raises (an error
+        here is the caller's, or the next :meth:`next_batch` reports the fatal one)."""
+        try:
+            self._reports.append(self._record_done(loss, data_ms))
+        except ConfigError as err:
+            log.warning("rank %d: %s", self.rank, err)
+            return
+        if not self._flushing and self._nursery is not None:
+            self._flushing = True
+            self._nursery.start_soon(self._flush_reports)
+
+    def _record_done(self, loss: float, data_ms: float) -> Batch:
         current = self._current
         if current is None:
             raise ConfigError("batch_done() without a batch handed out by next_batch()")
@@ -323,15 +346,23 @@ class Worker:
             if math.isfinite(loss):
                 chunk.loss_sum += loss
                 chunk.losses += 1
-        await self._send(
-            Batch(
-                rank=self.rank,
-                batch_ms=batch_ms,
-                data_ms=max(float(data_ms), 0.0),
-                step_count=self.step_count,
-                batch_loss=float(loss),
-            )
+        return Batch(
+            rank=self.rank,
+            batch_ms=batch_ms,
+            data_ms=max(float(data_ms), 0.0),
+            step_count=self.step_count,
+            batch_loss=float(loss),
         )
+
+    async def _flush_reports(self) -> None:
+        """Send the queued batch reports in order. A report is taken off the queue and
+        queued for the channel's (fair) send lock in one step, so concurrent flushes keep the
+        order."""
+        try:
+            while self._reports:
+                await self._send(self._reports.popleft())
+        finally:
+            self._flushing = False
 
     def report_final(self, **metrics: float) -> None:
         """Record final metrics (e.g. ``test_accuracy=0.97``) for ``rank<N>.json``."""
