@@ -417,12 +417,16 @@ async def open_cluster(
     config: CoordinatorConfig | None = None,
     key: bytes = TEST_KEY,
     seed: int = 0,
+    url: str | None = None,
 ) -> AsyncIterator[Cluster]:
-    """A coordinator on a fresh ``memory://`` name with one scripted rank per script.
+    """A coordinator at ``url`` (default: a fresh ``memory://`` name; ``unix://`` and
+    ``tcp://127.0.0.1:0`` run the ranks over real sockets) with one scripted rank per script.
 
-    On exit from the block every rank task is cancelled and the coordinator closed.
+    The ranks start at the block's first checkpoint, so the block may first wrap the
+    coordinator's machine (say, to record what it receives). On exit from the block every
+    rank task is cancelled and the coordinator closed.
     """
-    url = f"memory://flodl-cluster-{next(_names)}"
+    url = url if url is not None else f"memory://flodl-cluster-{next(_names)}"
     world_size = len(scripts)
     started_at = trio.current_time()
     async with open_coordinator(url, world_size, key, config, seed=seed, linger=0.0) as coord:

@@ -22,7 +22,6 @@ import trio
 from trio.testing import MockClock
 
 from flodl.config import CoordinatorConfig
-from flodl.coordinator import open_coordinator
 from flodl.core.machine import Status
 from flodl.core.timeline import EventKind
 from flodl.errors import (
@@ -33,7 +32,7 @@ from flodl.errors import (
     TruncatedFrame,
     UnknownMessage,
 )
-from flodl.testing import TEST_KEY, Cluster, RankScript, ScriptedRank, _Groups
+from flodl.testing import TEST_KEY, Cluster, RankScript, open_cluster
 from flodl.transports import connect
 from flodl.transports.socket_stream import SocketStream
 from flodl.wire.codec import FrameEncoder
@@ -61,10 +60,11 @@ async def open_cluster_at(
     config: CoordinatorConfig | None = None,
 ) -> AsyncIterator[tuple[Cluster, list[tuple[float, int, Message]]]]:
     """flodl.testing.open_cluster at ``url``, with every (now, rank, message) the machine got."""
-    started_at = trio.current_time()
     seen: list[tuple[float, int, Message]] = []
-    async with open_coordinator(url, len(scripts), TEST_KEY, config, linger=0.0) as coord:
-        machine = coord.machine
+    async with open_cluster(
+        scripts, dataset_size=dataset_size, batch_size=batch_size, config=config, url=url
+    ) as cluster:
+        machine = cluster.coordinator.machine
         on_message = machine.on_message
 
         def recording(rank: int, message: Message, now: float) -> list[object]:
@@ -72,25 +72,7 @@ async def open_cluster_at(
             return on_message(rank, message, now)  # type: ignore[return-value]
 
         machine.on_message = recording  # type: ignore[method-assign, assignment]
-        groups = _Groups()
-        ranks = [ScriptedRank(r, len(scripts), s, groups) for r, s in enumerate(scripts)]
-        cluster = Cluster(coord, ranks, coord.url, started_at)
-        async with trio.open_nursery() as nursery:
-            remaining = len(ranks)
-
-            async def run_rank(rank: ScriptedRank) -> None:
-                nonlocal remaining
-                try:
-                    await rank.run(coord.url, TEST_KEY, dataset_size, batch_size, 1)
-                finally:
-                    remaining -= 1
-                    if remaining == 0:
-                        cluster.ranks_done.set()
-
-            for rank in ranks:
-                nursery.start_soon(run_rank, rank)
-            yield cluster, seen
-            nursery.cancel_scope.cancel()
+        yield cluster, seen
 
 
 async def run_cluster(
