@@ -73,9 +73,11 @@ async def serve_ranks(
     Each connection runs in its own task: the handshake must finish within
     ``handshake_timeout`` seconds (else HandshakeTimeout); a rank id is held from the moment
     its hello verifies until its handler returns, so a second connection claiming it is
-    refused with DuplicateRank. Any FlodlError or broken-stream error of one connection
-    (handshake or handler; also an exception group holding only such errors, reported
-    unwrapped when it holds just one) closes that connection and is reported as
+    refused with DuplicateRank. A hello whose nonce was already accepted (a recorded hello
+    sent again) is refused unanswered with ReplayedHello, so it cannot hold a rank id. Any
+    FlodlError or broken-stream error of one connection (handshake or handler; also an
+    exception group holding only such errors, reported unwrapped when it holds just one)
+    closes that connection and is reported as
     ``on_rank_error(rank or None, error)`` (default: logged as a warning); it never disturbs
     the accept loop or the other ranks. Any other exception from a handler is a bug: it
     propagates and cancels everything.
@@ -90,6 +92,14 @@ async def serve_ranks(
         raise ConfigError(f"handshake_timeout must be > 0, got {handshake_timeout}")
     report = on_rank_error or _log_rank_error
     held: set[int] = set()
+    spent: set[bytes] = set()
+    """Nonces of every hello that verified: a second use is a replay (32 bytes each)."""
+
+    def replayed(nonce: bytes) -> bool:
+        if nonce in spent:
+            return True
+        spent.add(nonce)
+        return False
 
     async def serve_connection(stream: trio.abc.Stream) -> None:
         claimed: int | None = None
@@ -105,7 +115,13 @@ async def serve_ranks(
         try:
             with trio.move_on_after(handshake_timeout) as deadline:
                 rank, channel = await accept_rank(
-                    stream, key, world_size, signature, taken=taken, max_payload=max_payload
+                    stream,
+                    key,
+                    world_size,
+                    signature,
+                    taken=taken,
+                    replayed=replayed,
+                    max_payload=max_payload,
                 )
             if deadline.cancelled_caught:
                 raise HandshakeTimeout(

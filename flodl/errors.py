@@ -78,6 +78,11 @@ class DuplicateRank(HandshakeError):
     """Another live connection already holds this rank id."""
 
 
+class ReplayedHello(HandshakeError, AuthenticationError):
+    """A hello this coordinator already accepted, sent again (a recording): refused unanswered,
+    so a replay cannot hold a rank id that its owner needs."""
+
+
 class SignatureMismatch(HandshakeError):
     """The rank's model or dataset signature differs from the coordinator's."""
 

@@ -21,6 +21,7 @@ from flodl.errors import (
     FrameTooLarge,
     HandshakeError,
     HandshakeVersionMismatch,
+    ReplayedHello,
 )
 from flodl.wire.codec import DEFAULT_MAX_PAYLOAD, EncodedMessage, FrameDecoder, FrameEncoder
 from flodl.wire.handshake import (
@@ -407,6 +408,7 @@ async def accept_rank(
     signature: bytes | None = None,
     *,
     taken: Callable[[int], bool],
+    replayed: Callable[[bytes], bool] | None = None,
     max_payload: int = DEFAULT_MAX_PAYLOAD,
 ) -> tuple[int, Channel]:
     """Run the coordinator's side of the handshake; the rank and its Channel.
@@ -414,6 +416,9 @@ async def accept_rank(
     ``taken(rank)`` is called once, synchronously, after the hello verified; True refuses the
     rank as DuplicateRank. Nothing awaits between that call and the decision, so a caller that
     reserves the rank inside ``taken`` keeps ranks unique under concurrency (serve_ranks does).
+    ``replayed(nonce)``, called first, says whether the hello's nonce was seen before: True
+    refuses it as ReplayedHello, without a reply (serve_ranks remembers every nonce it
+    accepted; a genuine rank draws a fresh one for each connection).
 
     A refused rank is told why before the error is raised (WrongKey, HandshakeVersionMismatch,
     WorldSizeMismatch, RankOutOfRange, DuplicateRank, SignatureMismatch); a non-flodl peer
@@ -434,6 +439,8 @@ async def accept_rank(
     data = prefix + rest
     try:
         hello = check_client_hello(data, key, world_size, signature)
+        if replayed is not None and replayed(hello.nonce):
+            raise ReplayedHello(f"a hello for rank {hello.rank} was replayed (its nonce is spent)")
         if taken(hello.rank):
             raise DuplicateRank(f"rank {hello.rank} is already held by a live connection")
     except HandshakeError as err:

@@ -24,6 +24,7 @@ from flodl.errors import (
     MessageValidationError,
     ProtocolError,
     RankOutOfRange,
+    ReplayedHello,
     SequenceError,
     SignatureMismatch,
     TruncatedFrame,
@@ -249,7 +250,29 @@ async def test_recorded_session_replayed_into_a_new_one_is_rejected() -> None:
             answers.feed(await expect_dropped_after_eof(stream))
             assert [m.round for m in answers if isinstance(m, SyncNow)] == [5, 6]
         assert await server.next_finished() == 1
-        # Replay it verbatim: the old hello verifies, but the new session's keys differ.
+        # Replay the hello verbatim: its nonce is spent, so it is refused unanswered and
+        # holds no rank id (the genuine rank 1 can come back at once).
+        async with await server.connect() as replay:
+            await replay.send_all(hello + frames)
+            rank, reported = await server.next_error()
+            assert type(reported) is ReplayedHello and rank is None
+            assert await expect_dropped(replay) == b""
+        async with await server.join(1) as genuine:
+            await exchange(genuine, 1, 1)
+        await exchange(honest, 0, 1)
+
+
+async def test_a_recorded_session_fails_in_a_coordinator_that_never_saw_its_hello() -> None:
+    # A fresh coordinator (same key) has no record of the nonce: the hello verifies, but the
+    # session's keys are mixed from a new server nonce, so the recorded frames fail.
+    async with echo_server() as first:
+        async with await first.connect() as stream:
+            hello, state = hs.make_client_hello(KEY, 1, WORLD, SIGNATURE)
+            await stream.send_all(hello)
+            keys = hs.check_server_hello(await receive_exactly(stream, SERVER_HELLO_SIZE), state)
+            frames = FrameEncoder(keys.to_coordinator).encode(heartbeat(5))
+            await stream.send_all(frames)
+    async with echo_server() as server, await server.join(0) as honest:
         async with await server.connect() as replay:
             await replay.send_all(hello)
             reply = await receive_exactly(replay, SERVER_HELLO_SIZE)
