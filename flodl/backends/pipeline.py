@@ -161,7 +161,7 @@ class ScratchPool:
             scratch = self._idle.pop()
             if scratch.fits(layout, wanted):
                 return scratch
-        flat = torch.empty(layout.total, dtype=layout.dtype, device=layout.device)
+        flat = torch.zeros(layout.total, dtype=layout.dtype, device=layout.device)  # gaps: 0
         spare = torch.empty(wanted, dtype=layout.dtype, device=layout.device)
         return Scratch(flat, spare)
 

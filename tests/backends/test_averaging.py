@@ -149,6 +149,24 @@ def test_layout_promotes_dtypes_and_rejects_bad_tensors() -> None:
         FlatLayout.of([torch.zeros(2, dtype=torch.int32)], [])
 
 
+def test_large_members_start_on_64_byte_boundaries_and_the_gaps_stay_zero() -> None:
+    params = [torch.full((3,), 1.0), torch.full((2000,), 2.0), torch.full((5,), 3.0)]
+    buffers = [torch.full((1024,), 4.0), torch.tensor(7, dtype=torch.int64)]
+    layout = FlatLayout.of(params, buffers)
+    # Header 2, then 3 elements at 2..5; the 2000-element member is moved up to 16; the small
+    # one follows it at once (2016..2021); the 1024-element buffer starts at 2032.
+    assert layout.param_ranges() == [(2, 5), (16, 2016), (2016, 2021)]
+    assert layout.buffer_ranges() == [(2032, 3056), None]
+    assert layout.total == 3056
+    flat = pack(params, buffers, layout, batches=2, gamma=1.0)
+    assert torch.count_nonzero(flat[5:16]) == 0 and torch.count_nonzero(flat[2021:2032]) == 0
+    ranks = [(list(params), list(buffers)), ([p * 3 for p in params], [b * 3 for b in buffers])]
+    simulate_round(ranks, [1, 1], 1.0)
+    for rank_params, _ in ranks:  # (x + 3x) / 2 for every element, gaps or not
+        for p, value in zip(rank_params, (2.0, 4.0, 6.0), strict=True):
+            assert torch.equal(p, torch.full_like(p, value))
+
+
 def test_mixed_dtype_round_casts_back_to_each_tensor_dtype() -> None:
     no_buffers: list[torch.Tensor] = []
     ranks = [
