@@ -107,3 +107,24 @@ async def test_sync_policy_and_throttling_never_fill(autojump_clock: MockClock) 
     ):
         share, _ = await idle_share_after_the_change(config)
         assert share > 0.2, (config, share)
+
+
+async def test_a_rank_that_dies_holding_extra_batches_loses_no_sample(
+    autojump_clock: MockClock,
+) -> None:
+    # Rank 1 outpaces its counts (so it is fed extra batches), then crashes; whatever it held,
+    # extra batches included, goes to the survivors: every sample still runs once per epoch.
+    scripts = [
+        RankScript(ms_per_batch=10.0),
+        RankScript(ms_per_batch=10.0, ms_per_batch_after=(150, 4.0), die_after_batches=330),
+        RankScript(ms_per_batch=10.0),
+    ]
+    async with open_cluster(scripts, dataset_size=20_000, batch_size=10, epochs=2) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.status is Status.COMPLETED
+    dead = cluster.ranks[1].record
+    assert dead.batches == 330
+    assert any(isinstance(m, ExtendPartition | StartEpoch) for m in dead.received)
+    samples = Counter(s for rank in cluster.ranks for s in rank.record.samples)
+    assert len(samples) == 40_000 and set(samples.values()) == {1}
