@@ -9,13 +9,15 @@ bytes and time into it and carries its effects out. One nursery owns every task:
   rank and, once the effects of an event are carried out, written straight to each stream
   that takes it without waiting (one step for a whole broadcast rather than a task wake-up
   per rank); the writer only sends what a stream could not take at once;
-* reading: ranks over sockets (tcp://, unix://) are all read by one task, a
-  :class:`~flodl.transports.socket_reader.SocketReader` started with the first of them: one
-  trio wake-up serves every socket readable at that moment, where a reader task per rank
-  cost a wake-up per socket for about two messages (at 1,024 ranks that wake-up was most of
-  the coordinator's cost per message; the figures are in docs/benchmarks.md). Ranks without
-  a socket (memory://) keep a read loop of their own. Both hand the machine the same
-  messages in the same order, at the time they were read, and end a rank the same way;
+* reading: all ranks are read by one task, a
+  :class:`~flodl.transports.channel_reader.ChannelReader` started with the first of them
+  (a :class:`~flodl.transports.socket_reader.SocketReader` for tcp:// and unix://, a
+  :class:`~flodl.transports.memory_reader.MemoryReader` for memory://): one trio wake-up
+  serves every channel readable at that moment, where a reader task per rank cost a wake-up
+  per channel for about two messages (at 1,024 ranks that wake-up was most of the
+  coordinator's cost per message; the figures are in docs/benchmarks.md). A stream neither
+  can watch keeps a read loop of its own. Every path hands the machine the same messages in
+  the same order, at the time they were read, and ends a rank the same way;
 * the heartbeat task, which beats every ``heartbeat_interval`` whatever else is waiting;
 * the deadline task, which sleeps in a cancel scope until the machine's next deadline
   (silence deaths, the window-completion ceiling, the stall ceiling, rendezvous retries).
@@ -53,6 +55,8 @@ from flodl.errors import (
 )
 from flodl.transports import open_listener
 from flodl.transports.channel import Channel
+from flodl.transports.channel_reader import ChannelReader
+from flodl.transports.memory_reader import MemoryReader
 from flodl.transports.socket_reader import SocketReader
 from flodl.wire.codec import EncodedMessage, encode_message
 from flodl.wire.messages import CoordHeartbeat, Message
@@ -111,8 +115,8 @@ class Coordinator:
         self.rank_errors: list[tuple[int | None, BaseException]] = []
         """Every connection that ended in an error, in order (rank None: before the handshake)."""
         self._tasks: trio.Nursery | None = None
-        """Where the socket reader's task runs (the coordinator's nursery)."""
-        self._reader: SocketReader | None = None
+        """Where the shared readers' tasks run (the coordinator's nursery)."""
+        self._readers: dict[type[ChannelReader], ChannelReader] = {}
 
     # --- public ---------------------------------------------------------------------------
 
@@ -159,7 +163,7 @@ class Coordinator:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._write_loop, link)
                     self._perform(self._machine.on_connect(rank, trio.current_time()))
-                    reader = self._socket_reader(channel)
+                    reader = self._shared_reader(channel)
                     if reader is not None:
                         try:
                             reader.add(channel, *self._reader_handlers(link, reader))
@@ -184,19 +188,26 @@ class Coordinator:
         if errors:
             raise errors[0]
 
-    def _socket_reader(self, channel: Channel) -> SocketReader | None:
-        """The shared reader, started on first use, if ``channel`` is for it; else None."""
-        if self._tasks is None or not hasattr(select, "epoll"):
+    def _shared_reader(self, channel: Channel) -> ChannelReader | None:
+        """The shared reader for ``channel``'s kind of stream, started on first use; None if
+        no shared reader can watch it."""
+        if self._tasks is None:
             return None
-        if not SocketReader.can_read(channel):
+        kind: type[ChannelReader]
+        if MemoryReader.can_read(channel):
+            kind = MemoryReader
+        elif SocketReader.can_read(channel) and hasattr(select, "epoll"):
+            kind = SocketReader
+        else:
             return None
-        if self._reader is None:
-            self._reader = SocketReader()
-            self._tasks.start_soon(self._reader.run, self._after_effects)
-        return self._reader
+        reader = self._readers.get(kind)
+        if reader is None:
+            reader = self._readers[kind] = kind()
+            self._tasks.start_soon(reader.run, self._after_effects)
+        return reader
 
     def _reader_handlers(
-        self, link: _RankLink, reader: SocketReader
+        self, link: _RankLink, reader: ChannelReader
     ) -> tuple[Callable[[list[Message], float], None], Callable[[Exception | None], None]]:
         """What the shared reader calls for ``link``'s messages and for the end of its channel
         (both end the connection as :meth:`_read_loop` would)."""
@@ -440,8 +451,8 @@ async def open_coordinator(
             nursery.cancel_scope.cancel()
     finally:
         coordinator._tasks = None
-        if coordinator._reader is not None:
-            coordinator._reader.close()
+        for reader in coordinator._readers.values():
+            reader.close()
         with trio.CancelScope(shield=True):
             await listener.aclose()
 

@@ -26,6 +26,11 @@ new plan applies at once to every existing connection of that link):
 Buffering: ``send_all`` queues all its bytes, then waits until the unread bytes of its
 direction are at most ``capacity``. ``capacity=0`` makes a lockstep stream: ``send_all``
 returns once the reader has taken everything.
+
+Reading without a task per stream: :meth:`MemoryStream.receive_nowait` takes what is
+receivable now, and :meth:`MemoryStream.set_readable_hook` installs a callback called
+whenever something lands in the stream's receive buffer (or the link's plan changes), so
+one task can read many streams (:mod:`flodl.transports.memory_reader`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import collections
 import enum
 import math
 import operator
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -73,11 +79,12 @@ class Link:
     :meth:`set_plan` applies at once to every connection of the link, existing and future.
     """
 
-    __slots__ = ("_healed", "_held", "_plan")
+    __slots__ = ("_healed", "_held", "_hooked", "_plan")
 
     def __init__(self, plan: FaultPlan | None = None) -> None:
         self._plan = plan if plan is not None else FaultPlan()
         self._held: set[_Pipe] = set()  # pipes whose reader waits for a partition to heal
+        self._hooked: set[_Pipe] = set()  # pipes with a readable hook (told of every plan)
         self._healed = trio.lowlevel.ParkingLot()
 
     @property
@@ -87,7 +94,7 @@ class Link:
     def set_plan(self, plan: FaultPlan) -> None:
         """Replace the plan now; readers held by a partition re-check it (no checkpoint)."""
         self._plan = plan
-        for pipe in list(self._held):
+        for pipe in list(self._held | self._hooked):
             pipe.readable.wake()
         self._healed.unpark_all()
 
@@ -97,6 +104,13 @@ class Link:
 
     def release(self, pipe: _Pipe) -> None:
         self._held.discard(pipe)
+
+    def hook(self, pipe: _Pipe, hooked: bool) -> None:
+        """Tell (or stop telling) ``pipe``'s readable hook of every plan change."""
+        if hooked:
+            self._hooked.add(pipe)
+        else:
+            self._hooked.discard(pipe)
 
     async def wait_until_flowing(self) -> None:
         """Return once the link is not partitioned. Always a checkpoint."""
@@ -126,19 +140,24 @@ class _Waiter:
     Each end of a stream admits one receiving and one sending task at a time (the guards), so
     each of a pipe's two wait points has at most one waiter; a slot is cheaper than a
     ParkingLot. :meth:`wake` reschedules the parked task (no-op when none); a cancelled
-    :meth:`park` leaves the slot empty.
+    :meth:`park` leaves the slot empty. A ``hook`` (if set) is called by every :meth:`wake`
+    as well: a reader that watches the pipe without parking a task on it.
     """
 
-    __slots__ = ("_task",)
+    __slots__ = ("_task", "hook")
 
     def __init__(self) -> None:
         self._task: trio.lowlevel.Task | None = None
+        self.hook: Callable[[], None] | None = None
 
     def wake(self) -> None:
         task = self._task
         if task is not None:
             self._task = None
             trio.lowlevel.reschedule(task)
+        hook = self.hook
+        if hook is not None:
+            hook()
 
     async def park(self) -> None:
         if self._task is not None:  # the guards make this unreachable; never lose a waiter
@@ -249,6 +268,7 @@ class _Pipe:
         self.writable.wake()
 
     def close_reader(self) -> None:
+        self.link.hook(self, False)
         self.reader_closed = True
         self.chunks.clear()
         self.buffered = 0
@@ -259,7 +279,12 @@ class _Pipe:
         return self.buffered <= self.capacity
 
     def might_accept(self) -> bool:
-        return self.buffered < self.capacity or self.readers_waiting > 0
+        # A hooked pipe's reader takes what lands at once, like a reader waiting.
+        return (
+            self.buffered < self.capacity
+            or self.readers_waiting > 0
+            or self.readable.hook is not None
+        )
 
     async def send_all(self, data: bytes) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -324,6 +349,40 @@ class _Pipe:
             else:
                 await self._park_waiting()
             blocked = True
+
+    def receive_nowait(self, max_bytes: int | None) -> bytes:
+        """What is receivable now (b"" at the end of the stream), as :meth:`receive` would
+        return it, without waiting; trio.WouldBlock when nothing is."""
+        if self.reader_closed:
+            raise trio.ClosedResourceError("this memory stream is closed")
+        chunks = self.chunks
+        if not chunks or self.link.plan.partitioned:
+            raise trio.WouldBlock
+        deliver_at, item = chunks[0]
+        if deliver_at is not _AT_ONCE and deliver_at > trio.current_time():
+            raise trio.WouldBlock
+        if item is _Marker.RESET:
+            raise trio.BrokenResourceError("the memory connection was cut")
+        if item is _Marker.EOF:
+            return b""
+        return self._take(max_bytes)
+
+    def receivable_at(self) -> float:
+        """When :meth:`receive_nowait` will next return or raise without blocking, as far as
+        is known now: -inf (now), a trio time (a chunk still in flight), or inf (nothing
+        queued, or the link is partitioned: the readable hook will tell)."""
+        if self.reader_closed:
+            return _AT_ONCE
+        chunks = self.chunks
+        if not chunks or self.link.plan.partitioned:
+            return math.inf
+        return chunks[0][0]
+
+    def set_hook(self, hook: Callable[[], None] | None) -> None:
+        self.readable.hook = hook
+        self.link.hook(self, hook is not None)
+        if hook is not None:
+            self.writable.wake()  # a lockstep writer may now go ahead
 
     async def _park_waiting(self) -> None:
         self.readers_waiting += 1
@@ -414,6 +473,36 @@ class MemoryStream(trio.abc.HalfCloseableStream):
                 raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         with self._receive_guard:
             return await self._incoming.receive(max_bytes)
+
+    def receive_nowait(self, max_bytes: int | None = None) -> bytes:
+        """What has arrived and is due now, at most ``max_bytes``; b"" at the end of the
+        stream. Never waits and is not a checkpoint. Raises ``trio.WouldBlock`` when nothing
+        is receivable (nothing queued, still in flight, or partitioned), BusyResourceError
+        while :meth:`receive_some` is under way, BrokenResourceError once the connection is
+        cut (after what was queued before the cut), ClosedResourceError after :meth:`aclose`.
+        """
+        if max_bytes is not None:
+            max_bytes = operator.index(max_bytes)
+            if max_bytes < 1:
+                raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        with self._receive_guard:
+            return self._incoming.receive_nowait(max_bytes)
+
+    def receivable_at(self) -> float:
+        """-inf if :meth:`receive_nowait` would not raise WouldBlock now; else the trio time
+        it will stop raising it if nothing else happens (inf: not until something lands or
+        the plan changes, which the readable hook reports)."""
+        return self._incoming.receivable_at()
+
+    def set_readable_hook(self, hook: Callable[[], None] | None) -> None:
+        """Call ``hook()`` (None: stop) whenever something lands in the receive buffer (data,
+        end of stream, a cut), when this end closes, and when the link's plan changes.
+
+        It is called synchronously from the task that caused it (usually the peer's
+        ``send_all``), so it must be cheap and must not raise. Data still in flight (a
+        latency plan) is announced when sent, not when due: :meth:`receivable_at` says when.
+        """
+        self._incoming.set_hook(hook)
 
     async def aclose(self) -> None:
         """Close both directions: the peer reads b"" after what was sent, its sends break."""

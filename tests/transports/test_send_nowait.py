@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from flodl.errors import ChannelClosed
 from flodl.transports import connect, open_listener
@@ -121,7 +122,7 @@ async def test_receive_nowait_reads_what_arrived_without_waiting(tmp_path: Path)
 
 
 async def test_receive_batch_nowait_needs_a_stream_that_can() -> None:
-    _, right = memory_stream_pair()
+    _, right = trio.testing.memory_stream_pair()  # no receive_nowait (flodl's memory has one)
     receiver = Channel(right, send_key=KEY_B, receive_key=KEY_A, receive_tags=TO_RANK_TAGS)
     with pytest.raises(trio.WouldBlock):
         receiver.receive_batch_nowait()
