@@ -13,9 +13,12 @@
 The training loop stays plain Python on the calling thread. Each hand-out of a batch is a call
 into the trio thread, which first does whatever the coordinator asked in the meantime
 (averaging included), so the loop and an average never touch the parameters at the same time.
-``batch.done(loss)`` does not wait for the trio thread: on a busy machine every wait for
-another thread to be scheduled costs up to milliseconds, so a batch costs one such round trip,
-not two. Heartbeats and control messages are served by the trio thread whatever the loop does.
+Neither ``batch.done(loss)`` nor, usually, the hand-out of the next batch waits for the trio
+thread: on a busy machine every wait for another thread to be scheduled costs up to
+milliseconds. The trio thread reserves the next batch ahead (:mod:`flodl.worker.staging`) and
+the loop takes it directly unless something needs a batch boundary first (a SyncNow, a
+throttle, the end of a chunk...), in which case the hand-out goes through the trio thread.
+Heartbeats and control messages are served by the trio thread whatever the loop does.
 """
 
 from __future__ import annotations
@@ -180,11 +183,20 @@ class Rank:
         """
         worker = self.worker
         self._call(worker.announce, dataset_size, batch_size, epochs)
+        token = self._token
+        assert token is not None
         while True:
             self._outstanding = False  # one not reported is reported by next_batch (NaN loss)
-            assignment = self._call(worker.next_batch)
-            if assignment is None:
-                return
+            assignment = worker.take_staged()  # no boundary needed: no wait for the trio thread
+            if assignment is not None:
+                try:
+                    token.run_sync_soon(worker.absorb_taken)
+                except trio.RunFinishedError:
+                    raise CoordinatorError("the rank's trio thread has stopped") from None
+            else:
+                assignment = self._call(worker.next_batch)
+                if assignment is None:
+                    return
             self._outstanding = True
             yield TrainingBatch(
                 epoch=assignment.epoch,

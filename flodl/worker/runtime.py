@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,7 @@ from flodl.errors import (
     ConfigError,
     CoordinatorError,
     FlodlError,
+    ProtocolError,
     ShutdownRequested,
     TransportError,
 )
@@ -86,6 +87,7 @@ from flodl.worker.records import (
     write_json_atomic,
 )
 from flodl.worker.spans import BatchSlice, EpochOrders, Span, WorkQueue
+from flodl.worker.staging import StagedBatch
 
 if TYPE_CHECKING:
     import torch
@@ -146,13 +148,17 @@ class _Wakeup:
     """Wakes every task waiting for "something changed". Take :meth:`event` before checking
     conditions, then wait on it: a change in between is never missed."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_notify: Callable[[], None] | None = None) -> None:
         self._event = trio.Event()
+        self._on_notify = on_notify
 
     def event(self) -> trio.Event:
         return self._event
 
-    def notify(self) -> None:
+    def notify(self, *, boundary_needed: bool = True) -> None:
+        """Wake the waiters; ``boundary_needed`` (the default) also runs ``on_notify``."""
+        if boundary_needed and self._on_notify is not None:
+            self._on_notify()
         self._event.set()
         self._event = trio.Event()
 
@@ -201,7 +207,10 @@ class Worker:
         self._queue: WorkQueue | None = None
         self._orders: EpochOrders | None = None
         self._inbox: deque[Message] = deque()
-        self._wakeup = _Wakeup()
+        self._staged: StagedBatch[Assignment] = StagedBatch()
+        """The batch after the current one, takeable by a training thread (see staging.py);
+        any change that needs a boundary makes it untakeable."""
+        self._wakeup = _Wakeup(self._staged.invalidate)
         self._current: Assignment | None = None
         self._reports: deque[Batch] = deque()
         """Batch reports recorded and not yet handed to the channel (see batch_done_soon)."""
@@ -305,7 +314,52 @@ class Worker:
                 self._first_batch_at = trio.current_time()
             self._current = assignment
             self._handed_out_at = trio.current_time()
+            self._stage_next()
         return assignment
+
+    def take_staged(self) -> Assignment | None:
+        """The next batch if it can be handed out without a boundary, else None.
+
+        Thread-safe: for a training thread (the facade), which must then have
+        :meth:`absorb_taken` run in the trio thread (``TrioToken.run_sync_soon``) before it
+        reports that batch done.
+        """
+        return self._staged.take()
+
+    def absorb_taken(self) -> None:
+        """Trio thread: make the batch a training thread took (:meth:`take_staged`) the
+        current one and reserve the next. Never raises."""
+        taken = self._staged.claim_taken()
+        if taken is None:
+            return
+        if self._current is not None:  # the loop skipped done(): reported as next_batch does
+            self.batch_done_soon(math.nan)
+        self._current = taken
+        self._handed_out_at = trio.current_time()
+        self._epoch = taken.epoch
+        self._stage_next()
+
+    def _stage_next(self) -> None:
+        """Reserve the batch after the current one, when nothing needs a boundary before it:
+        no message waiting, not throttled, not ending, no landed background round, and the
+        batch continues the current chunk (same epoch)."""
+        queue, chunk = self._queue, self._chunk
+        background = self._background
+        if (
+            queue is None
+            or chunk is None
+            or self._staged.reserved
+            or self._fatal is not None
+            or self._ending is not None
+            or self._inbox
+            or self._throttled
+            or (background is not None and background.pending.landed)
+            or queue.head_epoch != chunk.epoch
+        ):
+            return
+        batch = queue.next_batch()
+        assert batch is not None
+        self._staged.offer(self._assignment_of(batch))
 
     async def batch_done(self, loss: float, *, data_ms: float = 0.0) -> None:
         """Report the batch last handed out as finished (``Batch``), with its loss.
@@ -386,20 +440,26 @@ class Worker:
                 continue
             await self._land_background()
             if not self._throttled:
+                staged = self._staged.reclaim()  # reserved earlier: it comes first
+                if staged is not None:
+                    return staged
                 batch = queue.next_batch()
                 if batch is not None:
                     if self._chunk is not None and self._chunk.epoch != batch.epoch:
                         await self._close_chunk()  # tallies are per epoch
                     return self._hand_out(batch)
-            if queue.empty and self._chunk is not None:
+            if queue.empty and self._chunk is not None and not self._staged.reserved:
                 await self._close_chunk()  # at the barrier: the completion frame
             await changed.wait()
 
     def _hand_out(self, batch: BatchSlice) -> Assignment:
-        assert self._orders is not None
         if self._chunk is None:
             self._chunk = _Chunk(epoch=batch.epoch, started_at=trio.current_time())
         self._epoch = batch.epoch
+        return self._assignment_of(batch)
+
+    def _assignment_of(self, batch: BatchSlice) -> Assignment:
+        assert self._orders is not None
         indices = tuple(self._orders.indices(batch))
         return Assignment(batch.epoch, batch.start, batch.stop, indices)
 
@@ -698,6 +758,9 @@ class Worker:
         """Act on one incoming message at once; queue what must wait for a boundary."""
         if isinstance(message, CoordHeartbeat):
             return
+        if isinstance(message, StartEpoch | ExtendPartition) and self._queue_work_now(message):
+            self._wakeup.notify(boundary_needed=False)
+            return
         if isinstance(message, StartEpoch | ExtendPartition | Checkpoint | SaveConsensusModel):
             self._inbox.append(message)
         elif isinstance(message, SyncNow):
@@ -705,6 +768,8 @@ class Worker:
             self._inbox.append(message)
         elif isinstance(message, SetGlobalStep):
             self.global_step = message.global_step
+            if not self._throttled:
+                return  # nothing for a boundary to do
             self._throttled = False
         elif isinstance(message, Throttle):
             self._throttled = True
@@ -725,10 +790,24 @@ class Worker:
                     self._collective_scope.cancel()
         elif isinstance(message, EpochAggregated):
             self.last_epoch = message
+            return  # nothing for a boundary to do
         else:
             log.warning("rank %d: ignoring unexpected %s", self.rank, type(message).__name__)
             return
         self._wakeup.notify()
+
+    def _queue_work_now(self, message: StartEpoch | ExtendPartition) -> bool:
+        """Queue work at once when nothing waits in the inbox before it (work needs no
+        boundary; behind a SyncNow it must wait for it). False: it goes to the inbox."""
+        queue = self._queue
+        if queue is None or self._inbox:
+            return False
+        try:
+            queue.add(Span.of(message))
+        except ProtocolError:
+            return False  # raised to the training loop at the boundary, as before
+        self._stage_next()
+        return True
 
     def _on_declare_dead(self, message: DeclareDead) -> None:
         log.info("rank %d: rank %d declared dead; abandoning its group", self.rank, message.rank)

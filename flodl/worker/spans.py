@@ -72,6 +72,11 @@ class WorkQueue:
         return not self._spans
 
     @property
+    def head_epoch(self) -> int | None:
+        """The epoch of the next batch, or None when nothing is queued."""
+        return self._spans[0].epoch if self._spans else None
+
+    @property
     def queued_samples(self) -> int:
         """Positions queued and not yet handed out."""
         return sum(s.size for s in self._spans) - self._cursor
