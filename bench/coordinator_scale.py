@@ -86,6 +86,7 @@ from flodl.core.machine import CoordinatorMachine, Effect
 from flodl.errors import FlodlError
 from flodl.transports import connect
 from flodl.transports.channel import RECEIVE_CHUNK, Channel, connect_rank
+from flodl.transports.memory_reader import MemoryReader
 from flodl.transports.socket_stream import SocketStream
 from flodl.wire.codec import FRAME_MAGIC, PREFIX_SIZE, PROTOCOL_VERSION
 from flodl.wire.handshake import (
@@ -486,12 +487,22 @@ class LeanRank:
         self.throttled = False
         self.next_tick: float | None = None
         """The grid time of the batch action registered with the metronome (None: idle)."""
+        self.shut_down = False
+        """Shutdown (or ShutdownWithSave) received."""
 
-    async def run(self, url: str, key: bytes, limiter: trio.CapacityLimiter | None = None) -> None:
+    async def run(
+        self,
+        url: str,
+        key: bytes,
+        limiter: trio.CapacityLimiter | None = None,
+        reader: MemoryReader | None = None,
+    ) -> None:
         """Connect, then serve until Shutdown, the connection ends, or cancellation.
 
         ``limiter`` bounds how many ranks connect and handshake at once (a socket listener's
-        backlog is finite).
+        backlog is finite). With ``reader`` (in-process mode) the rank's messages are handled
+        by that shared reader's task and answered without waiting where the stream takes the
+        answer; without it, by a receive loop of this task.
         """
         async with limiter if limiter is not None else contextlib.nullcontext():
             stream = await connect(url)
@@ -506,11 +517,69 @@ class LeanRank:
             self.channel = channel
             self.metronome.at(trio.current_time() + self.heartbeat_phase, self.heartbeat)
             try:
-                await self.receive(channel)
+                if reader is None:
+                    await self.receive(channel)
+                else:
+                    await self._served_by(reader, channel)
             except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
             finally:
                 self.channel = None
+
+    async def _served_by(self, reader: MemoryReader, channel: Channel) -> None:
+        """Let ``reader`` hand this rank its messages until Shutdown or the end of the
+        connection; answers go out at once, or from this task when the stream is full."""
+        ended = trio.Event()
+        outbox: list[Message] = []
+        wake = trio.Event()
+
+        def on_messages(batch: list[Message], now: float) -> None:
+            nonlocal wake
+            for message in batch:
+                reply = self.handle(message)
+                if self.shut_down:
+                    ended.set()
+                    reader.discard(channel)
+                    return
+                if reply is not None:
+                    if not outbox:
+                        try:
+                            if channel.send_nowait(self._outgoing((reply,))):
+                                continue
+                            wake.set()  # part of it is left in the channel: flush it
+                            continue
+                        except trio.WouldBlock:
+                            pass
+                        except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
+                            ended.set()
+                            reader.discard(channel)
+                            return
+                    outbox.append(reply)
+                    wake.set()
+
+        def on_end(error: Exception | None) -> None:
+            ended.set()
+
+        reader.add(channel, on_messages, on_end)
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def writer() -> None:
+                    nonlocal wake
+                    while True:
+                        await wake.wait()
+                        wake = trio.Event()
+                        await channel.flush()
+                        while outbox:
+                            batch = self._outgoing(outbox[:])
+                            outbox.clear()
+                            await channel.send_many(batch)
+
+                nursery.start_soon(writer)
+                await ended.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            reader.discard(channel)
 
     def _outgoing(self, messages: Sequence[Message]) -> Sequence[Message]:
         """``messages`` as they go out now: stamped, or with their send times recorded."""
@@ -534,7 +603,14 @@ class LeanRank:
             return
         messages = self._outgoing(messages)
         try:
-            await channel.send_many(messages)
+            # Written at once where the stream takes it (no checkpoint): a slot's sends then
+            # land together, as sends from many machines would, instead of one per scheduler
+            # batch. A full stream waits, as a real rank would.
+            try:
+                if not channel.send_nowait(messages):
+                    await channel.flush()
+            except trio.WouldBlock:
+                await channel.send_many(messages)
         except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
             self.channel = None  # the receive task sees the end too and returns
 
@@ -595,26 +671,34 @@ class LeanRank:
 
     async def receive(self, channel: Channel) -> None:
         async for message in channel:
-            if self.recorder.measuring:
-                self.recorder.delivered[type(message).__name__] += 1
-            if isinstance(message, StartEpoch | ExtendPartition):
-                self.epoch = message.epoch
-                size = message.partition_size if isinstance(message, StartEpoch) else message.size
-                self.work += size  # batch size 1: one batch per sample
-                self._resume_batches()
-            elif isinstance(message, SyncNow):
-                self.throttled = False
-                self._resume_batches()
-                self.step_count += 1  # a finished collective bumps the step count
-                ack = SyncAck(rank=self.rank, round=message.round, step_count=self.step_count)
-                await self.send(channel, ack)
-            elif isinstance(message, RequestNewGroup):
-                reply = NewGroupReady(rank=self.rank, generation=message.generation, info=b"sim")
-                await self.send(channel, reply)
-            elif isinstance(message, Throttle):
-                self.throttled = True
-            elif isinstance(message, Shutdown | ShutdownWithSave):
+            reply = self.handle(message)
+            if self.shut_down:
                 return
+            if reply is not None:
+                await self.send(channel, reply)
+
+    def handle(self, message: Message) -> Message | None:
+        """Act on one message from the coordinator; the answer to send (None: none). Sets
+        :attr:`shut_down` when the run is over for this rank."""
+        if self.recorder.measuring:
+            self.recorder.delivered[type(message).__name__] += 1
+        if isinstance(message, StartEpoch | ExtendPartition):
+            self.epoch = message.epoch
+            size = message.partition_size if isinstance(message, StartEpoch) else message.size
+            self.work += size  # batch size 1: one batch per sample
+            self._resume_batches()
+        elif isinstance(message, SyncNow):
+            self.throttled = False
+            self._resume_batches()
+            self.step_count += 1  # a finished collective bumps the step count
+            return SyncAck(rank=self.rank, round=message.round, step_count=self.step_count)
+        elif isinstance(message, RequestNewGroup):
+            return NewGroupReady(rank=self.rank, generation=message.generation, info=b"sim")
+        elif isinstance(message, Throttle):
+            self.throttled = True
+        elif isinstance(message, Shutdown | ShutdownWithSave):
+            self.shut_down = True
+        return None
 
 
 def _next_grid_tick(now: float, phase: float, period: float) -> float:
@@ -706,9 +790,11 @@ async def measure(ranks: int, seconds: float, seed: int, split: CpuSplit) -> dic
                 nursery.start_soon(timer_probe, recorder)
                 metronome = Metronome(recorder)
                 nursery.start_soon(metronome.run)
+                rank_reader = MemoryReader()  # one task reads every simulated rank
+                nursery.start_soon(rank_reader.run, name="LeanRank.reader")
                 for rank in range(ranks):
                     lean = LeanRank(rank, ranks, recorder, metronome, rng)
-                    nursery.start_soon(lean.run, coord.url, KEY)
+                    nursery.start_soon(lean.run, coord.url, KEY, None, rank_reader)
                 with trio.fail_after(WARMUP_LIMIT_S):
                     await recorder.warm.wait()
                 warm_at = trio.current_time()

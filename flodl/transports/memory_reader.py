@@ -57,7 +57,8 @@ class MemoryReadiness:
             raise ValueError("this channel's stream is already watched")
         self._watched.add(stream)
         stream.set_readable_hook(functools.partial(self._mark, stream))
-        self._mark(stream)  # bytes may have landed before it was watched
+        if stream.receivable_at() != math.inf:
+            self._mark(stream)  # something landed before it was watched (due or in flight)
         return stream
 
     def unwatch(self, key: Hashable) -> None:

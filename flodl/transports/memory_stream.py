@@ -456,6 +456,25 @@ class MemoryStream(trio.abc.HalfCloseableStream):
         with self._send_guard:
             await self._outgoing.send_all(bytes(data))
 
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> int:
+        """Queue all of ``data`` now if the buffer has room (its length), else nothing (0).
+
+        Never waits and is not a checkpoint (for callers that write many streams in one
+        step). Like :meth:`send_all` it may take the buffer past ``capacity`` by one write.
+        Raises BusyResourceError while :meth:`send_all` is under way, ClosedResourceError
+        after :meth:`send_eof` or :meth:`aclose`, BrokenResourceError once the connection is
+        cut or the peer closed it (a cut by the fault plan queues the bytes up to the cut).
+        """
+        with self._send_guard:
+            pipe = self._outgoing
+            pipe.check_writable()
+            if not data:
+                return 0
+            if pipe.buffered > 0 and pipe.buffered >= pipe.capacity:
+                return 0
+            pipe.write(bytes(data))
+            return len(data)
+
     async def wait_send_all_might_not_block(self) -> None:
         with self._send_guard:
             await self._outgoing.wait_writable()

@@ -1,6 +1,6 @@
-"""The coordinator over real sockets (one shared reader) and over memory:// (a read loop per
-rank) behaves the same: same messages to the machine at the same times, the same typed error
-for each kind of bad rank, honest ranks served throughout, deaths at once, no fd left open.
+"""The coordinator over real sockets and over memory:// (each kind read by one shared reader)
+behaves the same: same messages to the machine at the same times, the same typed error for
+each kind of bad rank, honest ranks served throughout, deaths at once, no fd left open.
 
 Scripted ranks and the coordinator share one trio run under MockClock: unix and tcp sockets
 on this host deliver within the send call, so every wait is still inside trio.
@@ -136,6 +136,36 @@ async def test_sockets_and_memory_give_the_machine_the_same_run(
             assert handled(seen, cluster, rank) == handled(reference_seen, reference, rank)
     (dead,) = [e for e in reference.coordinator.timeline if e.kind is EventKind.RANK_DEAD]
     assert dead.detail["cause"] == "disconnected"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_every_rank_is_read_by_one_shared_reader_and_an_end_is_a_death_at_once(
+    autojump_clock: MockClock, tmp_path: Path, transport: str
+) -> None:
+    scripts = [RankScript(ms_per_batch=10), RankScript(ms_per_batch=10), RankScript()]
+    scripts[2].start_after = 10**6  # its place is taken by the raw rank below
+    url = address(transport, tmp_path)
+    async with open_cluster_at(url, scripts, dataset_size=400) as (cluster, seen):
+        stream, encoder = await raw_rank(cluster.url, 2, 3)
+        ready = Ready(rank=2, dataset_size=400, batch_size=10, epochs=1)
+        await stream.send_all(encoder.encode(ready))
+        await trio.sleep(0.5)
+        readers = list(cluster.coordinator._readers.values())
+        assert [reader.channels for reader in readers] == [3]  # one reader, every rank
+        assert isinstance(stream, trio.abc.HalfCloseableStream)
+        await stream.send_eof()  # a clean end at a frame boundary: no error, dead at once
+        ended_at = trio.current_time()
+        await trio.testing.wait_all_tasks_blocked()
+        assert [reader.channels for reader in readers] == [2]
+        outcome = await cluster.coordinator.wait_finished()
+        await stream.aclose()
+        cluster.ranks[2].kill()
+    assert outcome.status is Status.COMPLETED
+    assert cluster.coordinator.rank_errors == []
+    (dead,) = [e for e in cluster.coordinator.timeline if e.kind is EventKind.RANK_DEAD]
+    assert dead.detail["rank"] == 2 and dead.detail["cause"] == "disconnected"
+    assert dead.time == ended_at
+    assert [m for _, r, m in seen if r == 2] == [ready]
 
 
 # --- bad ranks --------------------------------------------------------------------------------

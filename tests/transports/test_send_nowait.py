@@ -14,7 +14,6 @@ import trio.testing
 from flodl.errors import ChannelClosed
 from flodl.transports import connect, open_listener
 from flodl.transports.channel import Channel
-from flodl.transports.memory_stream import memory_stream_pair
 from flodl.transports.socket_stream import SocketStream
 from flodl.wire.codec import encode_message
 from flodl.wire.messages import TO_RANK_TAGS, ExtendPartition, Message, SyncNow
@@ -78,7 +77,7 @@ async def test_a_full_socket_keeps_the_rest_for_flush_before_anything_later(
 
 
 async def test_streams_without_direct_writes_refuse_and_consume_nothing() -> None:
-    left, right = memory_stream_pair()
+    left, right = trio.testing.memory_stream_pair()  # no send_nowait (flodl's memory has one)
     sender = Channel(left, send_key=KEY_A, receive_key=KEY_B, receive_tags=frozenset())
     receiver = Channel(right, send_key=KEY_B, receive_key=KEY_A, receive_tags=TO_RANK_TAGS)
     with pytest.raises(trio.WouldBlock):
