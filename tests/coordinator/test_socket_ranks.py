@@ -142,13 +142,9 @@ async def test_sockets_and_memory_give_the_machine_the_same_run(
 async def test_every_rank_is_read_by_one_shared_reader_and_an_end_is_a_death_at_once(
     autojump_clock: MockClock, tmp_path: Path, transport: str
 ) -> None:
-    scripts = [RankScript(ms_per_batch=10), RankScript(ms_per_batch=10), RankScript()]
-    scripts[2].start_after = 10**6  # its place is taken by the raw rank below
     url = address(transport, tmp_path)
-    async with open_cluster_at(url, scripts, dataset_size=400) as (cluster, seen):
-        stream, encoder = await raw_rank(cluster.url, 2, 3)
-        ready = Ready(rank=2, dataset_size=400, batch_size=10, epochs=1)
-        await stream.send_all(encoder.encode(ready))
+    async with open_cluster_at(url, with_a_raw_rank_2(), dataset_size=400) as (cluster, seen):
+        stream, ready = await raw_ready_rank_2(cluster.url)
         await trio.sleep(0.5)
         readers = list(cluster.coordinator._readers.values())
         assert [reader.channels for reader in readers] == [3]  # one reader, every rank
@@ -222,6 +218,19 @@ async def raw_rank(url: str, rank: int, world_size: int) -> tuple[trio.abc.Strea
     return stream, FrameEncoder(keys.to_coordinator)
 
 
+def with_a_raw_rank_2() -> list[RankScript]:
+    """Ranks 0 and 1 scripted; rank 2's place is taken by :func:`raw_ready_rank_2`."""
+    return [RankScript(ms_per_batch=10), RankScript(ms_per_batch=10), RankScript(start_after=1e6)]
+
+
+async def raw_ready_rank_2(url: str) -> tuple[trio.abc.Stream, Ready]:
+    """Rank 2 of 3, joined by hand: past the handshake, its Ready sent; then silent."""
+    stream, encoder = await raw_rank(url, 2, 3)
+    ready = Ready(rank=2, dataset_size=400, batch_size=10, epochs=1)
+    await stream.send_all(encoder.encode(ready))
+    return stream, ready
+
+
 async def hung_up(stream: trio.abc.Stream) -> None:
     """Read until the coordinator hangs up."""
     with trio.fail_after(30):
@@ -271,14 +280,10 @@ async def test_a_bad_rank_is_dropped_with_its_error_and_honest_ranks_go_on(
 async def test_a_reset_connection_is_a_death_at_once(
     autojump_clock: MockClock, tmp_path: Path, transport: str
 ) -> None:
-    scripts = [RankScript(ms_per_batch=10), RankScript(ms_per_batch=10), RankScript()]
-    scripts[2].start_after = 10**6  # its place is taken by the raw rank below
     url = address(transport, tmp_path)
-    async with open_cluster_at(url, scripts, dataset_size=400) as (cluster, _):
-        stream, encoder = await raw_rank(cluster.url, 2, 3)
+    async with open_cluster_at(url, with_a_raw_rank_2(), dataset_size=400) as (cluster, _):
+        stream, _ = await raw_ready_rank_2(cluster.url)
         assert isinstance(stream, SocketStream)
-        ready = Ready(rank=2, dataset_size=400, batch_size=10, epochs=1)
-        await stream.send_all(encoder.encode(ready))
         await trio.sleep(2.0)  # what the coordinator sends it stays unread
         stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         await stream.aclose()  # closed with unread data: the coordinator's side is reset
