@@ -72,7 +72,7 @@ from array import array
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import attrs
 import benchenv
@@ -402,51 +402,62 @@ async def timer_probe(recorder: Recorder) -> None:
 
 
 _Action = Callable[[float], Awaitable[None]]
+A = TypeVar("A")
 
 
-class Metronome:
-    """One timer task that acts for all simulated ranks, at the first 2 ms slot at or after
-    each action's time.
+class SlotTimer(Generic[A]):
+    """Actions due at given times, run by one timer task at the first 2 ms slot at or after
+    each action's time (the shared part of :class:`Metronome` and :class:`SyncMetronome`).
 
     A task per rank per timer would spend much of the shared core waking tasks and sleeping
     (a cancel scope and a Cancelled exception per sleep), which real ranks (each on its own
-    machine) never charge to the coordinator. Here ranks register actions, and this task runs
-    every action that is due in turn: each send still goes through the rank's own Channel
-    (and its checkpoint), but no rank task wakes for it. Actions of one slot run in the order
-    they were registered; a rank whose stream is full delays the ones after it (64 KiB of
-    buffer per connection: only a coordinator far behind the target gets there).
+    machine) never charge to the coordinator. Actions of one slot run in the order they were
+    registered; while the recorder measures, each action's lag (its start time minus the time
+    it was scheduled for; up to one slot even when nothing is late) goes to ``rank_lag``.
     """
 
     SLOT_S = 0.002
 
     def __init__(self, recorder: Recorder) -> None:
-        self._pending: list[tuple[int, int, float, _Action]] = []
+        self._pending: list[tuple[int, int, float, A]] = []
         self._order = itertools.count()
         self._fired_through = math.floor(trio.current_time() / self.SLOT_S)
         self._recorder = recorder
 
-    def at(self, when: float, action: _Action) -> None:
-        """Run ``await action(now)`` in the first slot at or after ``when`` (the next slot if
-        that one has already fired)."""
+    def at(self, when: float, action: A) -> None:
+        """Run ``action`` in the first slot at or after ``when`` (the next slot if that one has
+        already fired)."""
         slot = max(math.ceil(when / self.SLOT_S), self._fired_through + 1)
         heapq.heappush(self._pending, (slot, next(self._order), when, action))
 
-    async def run(self) -> None:
-        """Fire the slots as their time comes (late slots all at once); runs until cancelled.
+    async def _next_slot(self) -> tuple[float, list[tuple[float, A]]]:
+        """Sleep until the next slot; its time and the actions due by then, in order."""
+        await trio.sleep_until((self._fired_through + 1) * self.SLOT_S)
+        now = trio.current_time()
+        self._fired_through = math.floor(now / self.SLOT_S)
+        pending, due = self._pending, []
+        while pending and pending[0][0] <= self._fired_through:
+            _, _, when, action = heapq.heappop(pending)
+            due.append((when, action))
+        return now, due
 
-        While the recorder measures, each action's lag (its start time minus the time it was
-        scheduled for; up to one slot even when nothing is late) goes to ``rank_lag``.
-        """
-        pending = self._pending
-        recorder = self._recorder
+    def _record_lag(self, when: float) -> None:
+        if self._recorder.measuring:
+            self._recorder.rank_lag.append(trio.current_time() - when)
+
+
+class Metronome(SlotTimer[_Action]):
+    """The timer of the in-process simulated ranks: each action is awaited (a send still goes
+    through the rank's own Channel), but no rank task wakes for it. A rank whose stream is
+    full delays the actions after it (64 KiB of buffer per connection: only a coordinator far
+    behind the target gets there)."""
+
+    async def run(self) -> None:
+        """Fire the slots as their time comes (late slots all at once); runs until cancelled."""
         while True:
-            await trio.sleep_until((self._fired_through + 1) * self.SLOT_S)
-            now = trio.current_time()
-            self._fired_through = math.floor(now / self.SLOT_S)
-            while pending and pending[0][0] <= self._fired_through:
-                _, _, when, action = heapq.heappop(pending)
-                if recorder.measuring:
-                    recorder.rank_lag.append(trio.current_time() - when)
+            now, due = await self._next_slot()
+            for when, action in due:
+                self._record_lag(when)
                 await action(now)
 
 
@@ -1152,35 +1163,15 @@ class FrameSplitter:
         return frames
 
 
-class SyncMetronome:
-    """:class:`Metronome` for actions that do not wait: a due slot runs all of them in one go."""
-
-    SLOT_S = Metronome.SLOT_S
-
-    def __init__(self, recorder: Recorder) -> None:
-        self._pending: list[tuple[int, int, float, Callable[[float], None]]] = []
-        self._order = itertools.count()
-        self._fired_through = math.floor(trio.current_time() / self.SLOT_S)
-        self._recorder = recorder
-
-    def at(self, when: float, action: Callable[[float], None]) -> None:
-        """Run ``action(now)`` in the first slot at or after ``when`` (not an already fired one)."""
-        slot = max(math.ceil(when / self.SLOT_S), self._fired_through + 1)
-        heapq.heappush(self._pending, (slot, next(self._order), when, action))
+class SyncMetronome(SlotTimer[Callable[[float], None]]):
+    """:class:`SlotTimer` for actions that do not wait: a due slot runs all of them in one go."""
 
     async def run(self) -> None:
-        """Fire the slots as their time comes (late ones all at once) until cancelled; while
-        the recorder measures, each action's lag (start minus scheduled time) is recorded."""
-        pending = self._pending
-        recorder = self._recorder
+        """Fire the slots as their time comes (late ones all at once) until cancelled."""
         while True:
-            await trio.sleep_until((self._fired_through + 1) * self.SLOT_S)
-            now = trio.current_time()
-            self._fired_through = math.floor(now / self.SLOT_S)
-            while pending and pending[0][0] <= self._fired_through:
-                _, _, when, action = heapq.heappop(pending)
-                if recorder.measuring:
-                    recorder.rank_lag.append(trio.current_time() - when)
+            now, due = await self._next_slot()
+            for when, action in due:
+                self._record_lag(when)
                 action(now)
 
 
