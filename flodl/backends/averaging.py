@@ -316,12 +316,20 @@ def apply_average(
         diff.append(torch.linalg.vector_norm(p - target, dtype=pre[-1].dtype))
         p.copy_(target)
         post.append(norm32(target))
-    for b, span in zip(buffers, layout.buffer_ranges(), strict=True):
-        if span is not None:
-            b.copy_(averaged[span[0] : span[1]].view(b.shape))
+    copy_buffers(averaged, layout, buffers)
     return Applied(
         pre_norm=combine_norms(pre), post_norm=combine_norms(post), diff_norm=combine_norms(diff)
     )
+
+
+@torch.no_grad()
+def copy_buffers(
+    averaged: torch.Tensor, layout: FlatLayout, buffers: Sequence[torch.Tensor]
+) -> None:
+    """Overwrite each averaged float buffer with its slice of ``averaged`` (cast on write)."""
+    for b, span in zip(buffers, layout.buffer_ranges(), strict=True):
+        if span is not None:
+            b.copy_(averaged[span[0] : span[1]].view(b.shape))
 
 
 def local_norms(params: Sequence[torch.Tensor]) -> Applied:

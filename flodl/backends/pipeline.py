@@ -33,6 +33,7 @@ from flodl.backends.averaging import (
     checksum_part,
     combine_checksums,
     combine_squares,
+    copy_buffers,
     divisors,
     mass_of,
     mover_of,
@@ -329,9 +330,7 @@ def install(
             viewed = True
         else:
             p.copy_(average)
-    for b, span in zip(buffers, layout.buffer_ranges(), strict=True):
-        if span is not None:
-            b.copy_(flat[span[0] : span[1]].view(b.shape))
+    copy_buffers(flat, layout, buffers)
     return viewed
 
 

@@ -630,23 +630,24 @@ class Worker:
             reason=reason,
         )
 
+    async def _save_bundle(self, reason: str | None, stem: str | None = None) -> Path:
+        """Save this rank's bundle in a worker thread and remember it as the latest."""
+        point = self._save_point(reason)
+        path = await trio.to_thread.run_sync(
+            lambda: save_rank_bundle(
+                self.config.run_dir, self.rank, self.model, self.optimizer, point, stem=stem
+            )
+        )
+        self.checkpoint_path = str(path)
+        return path
+
     async def _checkpoint(self, request: Checkpoint) -> None:
         if request.target_rank != self.rank:
             return
         started = trio.current_time()
         error: str | None = None
         try:
-            path = await trio.to_thread.run_sync(
-                lambda: save_rank_bundle(
-                    self.config.run_dir,
-                    self.rank,
-                    self.model,
-                    self.optimizer,
-                    self._save_point(None),
-                    stem=f"flodl-v{request.version:06d}",
-                )
-            )
-            self.checkpoint_path = str(path)
+            await self._save_bundle(None, stem=f"flodl-v{request.version:06d}")
         except CheckpointError as err:
             error = str(err)
         elapsed_ms = (trio.current_time() - started) * 1000.0
@@ -665,16 +666,7 @@ class Worker:
         if isinstance(ending, ShutdownWithSave):
             reason = ending.reason.name
             try:
-                path = await trio.to_thread.run_sync(
-                    lambda: save_rank_bundle(
-                        self.config.run_dir,
-                        self.rank,
-                        self.model,
-                        self.optimizer,
-                        self._save_point(reason),
-                    )
-                )
-                self.checkpoint_path = str(path)
+                path = await self._save_bundle(reason)
                 saved = f"saved to {path}"
             except CheckpointError as err:
                 saved = f"the save failed: {err}"
