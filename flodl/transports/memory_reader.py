@@ -44,7 +44,8 @@ class MemoryReadiness:
     def closed(self) -> bool:
         return self._closed
 
-    def can_watch(self, channel: Channel) -> bool:
+    @staticmethod
+    def can_watch(channel: Channel) -> bool:
         return isinstance(channel.stream, MemoryStream)
 
     def watch(self, channel: Channel) -> Hashable:
@@ -149,4 +150,4 @@ class MemoryReader(ChannelReader):
     @staticmethod
     def can_read(channel: Channel) -> bool:
         """Whether ``channel`` runs over a memory stream this reader can watch."""
-        return isinstance(channel.stream, MemoryStream)
+        return MemoryReadiness.can_watch(channel)

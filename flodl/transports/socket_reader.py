@@ -33,16 +33,10 @@ from flodl.transports.channel_reader import (
 )
 from flodl.transports.socket_stream import SocketStream
 
-SOCKET_BYTES = READ_BYTES
-"""Most bytes read from one socket in one pass."""
-
-PASS_SOCKETS = PASS_CHANNELS
-"""Most sockets read in one pass."""
-
 __all__ = [
+    "PASS_CHANNELS",
     "PASS_MESSAGES",
-    "PASS_SOCKETS",
-    "SOCKET_BYTES",
+    "READ_BYTES",
     "EndHandler",
     "EpollReadiness",
     "MessagesHandler",
@@ -60,7 +54,8 @@ class EpollReadiness:
     def closed(self) -> bool:
         return self._epoll.closed
 
-    def can_watch(self, channel: Channel) -> bool:
+    @staticmethod
+    def can_watch(channel: Channel) -> bool:
         return isinstance(channel.stream, SocketStream)
 
     def watch(self, channel: Channel) -> Hashable:
@@ -105,4 +100,4 @@ class SocketReader(ChannelReader):
     @staticmethod
     def can_read(channel: Channel) -> bool:
         """Whether ``channel`` runs over a socket this reader can watch."""
-        return isinstance(channel.stream, SocketStream)
+        return EpollReadiness.can_watch(channel)

@@ -29,7 +29,7 @@ from flodl.errors import (
 )
 from flodl.transports.channel import Channel
 from flodl.transports.memory_stream import memory_stream_pair
-from flodl.transports.socket_reader import PASS_MESSAGES, SOCKET_BYTES, SocketReader
+from flodl.transports.socket_reader import PASS_MESSAGES, READ_BYTES, SocketReader
 from flodl.transports.socket_stream import SocketStream
 from flodl.wire.codec import FrameEncoder
 from flodl.wire.messages import TO_COORDINATOR_TAGS, Heartbeat, Message, SyncNow
@@ -227,7 +227,7 @@ async def test_flooding_channels_cannot_starve_a_quiet_one_and_passes_are_capped
     floods = [socket_peer() for _ in range(4)]
     quiet = socket_peer()
     frame_size = len(FrameEncoder(UP).encode(beat(0, 0)))
-    per_read = -(-SOCKET_BYTES // frame_size)  # at most this many frames from one read
+    per_read = -(-READ_BYTES // frame_size)  # at most this many frames from one read
     flooded = {i: [beat(i, step) for step in range(2000)] for i in range(4)}
     unsent: dict[int, memoryview] = {}
     for i, peer in enumerate(floods):
