@@ -19,6 +19,7 @@ Every rank must cut the buffer the same way: the plan depends only on the layout
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -32,7 +33,6 @@ from flodl.backends.averaging import (
     Reduced,
     checksum_part,
     combine_checksums,
-    combine_squares,
     copy_buffers,
     divisors,
     mass_of,
@@ -41,6 +41,7 @@ from flodl.backends.averaging import (
     scaled_copy,
     squared_norm,
 )
+from flodl.backends.kernels import PieceNorms, finish_piece
 from flodl.errors import BackendError, CollectiveAborted
 
 
@@ -209,13 +210,13 @@ def reduce_in_buckets(
     """Pack ``sources`` bucket by bucket into scratch and SUM-reduce; check each as it lands.
 
     With ``sources`` (from :func:`members`; read, never written) this rank's contribution is
-    packed from them, and the norms are taken as each bucket lands: ``||p||``, ``||S|| / M``
-    and ``||S - M p|| / M`` (``S`` the sum, ``M`` the summed mass), a cache-sized block at a
-    time, each block then divided in place, so each block of ``S`` and ``p`` is read from
-    memory once. With ``sources`` None the scratch already holds this rank's contribution
-    and no norms are taken. Either way, when the summed mass is above 0, the scratch is left
-    holding the average (params divided by the mass, float buffers by the movers); at zero
-    mass it holds the (zero) sums.
+    packed from them, and as each bucket lands its parameters are divided by the summed mass
+    ``M`` and the norms ``||p||``, ``||a||`` and ``||a - p||`` taken (``a = S / M`` the
+    average) in one pass (:func:`~flodl.backends.kernels.finish_piece`), so each block of
+    ``S`` and ``p`` is read from memory once. With ``sources`` None the scratch already holds
+    this rank's contribution and no norms are taken. Either way, when the summed mass is
+    above 0, the scratch is left holding the average (params divided by the mass, float
+    buffers by the movers); at zero mass it holds the (zero) sums.
 
     The checksum (taken when ``checksum``, else 0) covers the reduced sums, before any
     division: equal sums on every rank and the same deterministic division give bitwise
@@ -261,46 +262,46 @@ def reduce_in_buckets(
             elif reduced.total_mass > 0:
                 summed.div_(by_mass if piece.is_param else by_movers)
 
-    applied = None
-    if sources is not None:
-        pre = combine_squares(norms.pre)
-        if reduced.total_mass > 0:
-            scale = reduced.total_mass
-            applied = Applied(
-                pre, combine_squares(norms.post) / scale, combine_squares(norms.diff) / scale
-            )
-        else:
-            applied = Applied(pre, pre, 0.0)
+    applied = norms.applied() if sources is not None else None
     return Landed(reduced, combine_checksums(sums), applied)
 
 
 @attrs.define
 class _Norms:
-    """Per-block squared norms of ``p``, ``S`` and ``S - M p`` (0-d tensors, combined at the
-    end)."""
+    """Squared norms of ``p``, ``a`` and ``a - p`` summed over pieces (``a`` the average)."""
 
-    pre: list[torch.Tensor] = attrs.field(factory=list)
-    post: list[torch.Tensor] = attrs.field(factory=list)
-    diff: list[torch.Tensor] = attrs.field(factory=list)
+    fused: list[PieceNorms] = attrs.field(factory=list)
+    tensors: list[list[torch.Tensor]] = attrs.field(factory=list)  # [diff, post, pre] each
+    pre_only: list[torch.Tensor] = attrs.field(factory=list)
 
     def take(
         self, summed: torch.Tensor, source: torch.Tensor, mass: float | None, spare: torch.Tensor
     ) -> None:
-        """Norms of one piece, a spare-sized block at a time, then the block divided by
-        ``mass`` in place: the subtraction pulls both blocks into cache, where the three norms
-        and the division then read them. ``mass`` None (a zero-mass round): only ``||p||``,
-        nothing divided."""
-        step = spare.numel()
-        for start in range(0, summed.numel(), step):
-            block = source[start : start + step]
-            if mass is not None:
-                landed = summed[start : start + step]
-                gap = spare[: landed.numel()]
-                torch.sub(landed, block, alpha=mass, out=gap)
-                self.diff.append(squared_norm(gap))
-                self.post.append(squared_norm(landed))
-                landed.div_(mass)
-            self.pre.append(squared_norm(block))
+        """Divide one landed piece by ``mass`` in place and take its norms
+        (:func:`~flodl.backends.kernels.finish_piece`). ``mass`` None (a zero-mass round):
+        only ``||p||``, nothing divided."""
+        if mass is None:
+            self.pre_only.append(squared_norm(source))
+            return
+        norms = finish_piece(summed, source, mass, spare)
+        if isinstance(norms, PieceNorms):
+            self.fused.append(norms)
+        else:
+            self.tensors.append(norms)
+
+    def applied(self) -> Applied:
+        """``pre``, ``post`` and ``diff`` norms of the whole round (syncs once per path)."""
+        diff = post = pre = 0.0
+        if self.tensors:
+            summed = torch.stack([torch.stack(t) for t in self.tensors]).sum(dim=0).tolist()
+            diff, post, pre = summed
+        for piece in self.fused:
+            diff, post, pre = diff + piece.diff, post + piece.post, pre + piece.pre
+        if self.pre_only:
+            pre += float(torch.stack([q.to(torch.float64) for q in self.pre_only]).sum())
+        if not self.fused and not self.tensors:  # zero mass: the local state is kept
+            return Applied(math.sqrt(pre), math.sqrt(pre), 0.0)
+        return Applied(math.sqrt(pre), math.sqrt(post), math.sqrt(diff))
 
 
 def _source(sources: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:

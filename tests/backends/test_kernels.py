@@ -1,0 +1,119 @@
+"""The one-pass end of a round: the compiled loop and the torch path write the same average,
+bit for bit, and both measure the norms a float64 reference gives."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flodl.backends.kernels import (
+    PieceNorms,
+    finish_piece,
+    finish_piece_torch,
+    fused_kernel,
+    takes_fused,
+    warm_up,
+)
+
+needs_numba = pytest.mark.skipif(fused_kernel() is None, reason="numba is not installed")
+
+
+def reference(summed: torch.Tensor, source: torch.Tensor, mass: float) -> tuple[float, ...]:
+    """The three norms in float64, against the average as the float dtype divides it."""
+    average = (summed / mass).double()
+    own = source.double()
+    return (
+        float((average - own).norm()),
+        float(average.norm()),
+        float(own.norm()),
+    )
+
+
+def norms_of(result: PieceNorms | list[torch.Tensor]) -> tuple[float, ...]:
+    squares = (
+        (result.diff, result.post, result.pre)
+        if isinstance(result, PieceNorms)
+        else tuple(float(t) for t in result)
+    )
+    return tuple(math.sqrt(q) for q in squares)
+
+
+def pair(size: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    own = torch.randn(size, generator=generator).to(dtype)
+    # A sum of three ranks that drifted a little from this one: the case the guard watches.
+    summed = (3 * own.double() + 0.01 * torch.randn(size, generator=generator).double()).to(dtype)
+    return summed, own
+
+
+@needs_numba
+@settings(max_examples=40, deadline=None)
+@given(
+    size=st.integers(0, 40_000),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    mass=st.floats(0.01, 1e4, allow_nan=False, allow_infinity=False),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_loop_and_torch_path_write_the_same_bits(
+    size: int, dtype: torch.dtype, mass: float, seed: int
+) -> None:
+    summed, own = pair(size, dtype, seed)
+    fused, plain = summed.clone(), summed.clone()
+    assert takes_fused(fused, own)
+    fused_norms = norms_of(finish_piece(fused, own, mass, torch.empty(1000, dtype=dtype)))
+    plain_norms = norms_of(finish_piece_torch(plain, own, mass, torch.empty(1000, dtype=dtype)))
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused, summed / mass)  # one IEEE division per element, no reciprocal
+    expected = reference(summed, own, mass)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+    for got in (fused_norms, plain_norms):
+        assert got == pytest.approx(expected, rel=tolerance, abs=1e-30)
+
+
+@needs_numba
+def test_divergence_of_nearly_equal_ranks_keeps_its_digits() -> None:
+    """A divergence of 1e-4 is measured to 1e-3 relative: the gap is formed per element,
+    never as a difference of two large sums."""
+    own = torch.randn(2_000_000, generator=torch.Generator().manual_seed(1))
+    average = own + 1e-4 * torch.randn(own.shape, generator=torch.Generator().manual_seed(2))
+    summed = (average.double() * 4).float()  # a mass of 4 divides exactly
+    result = finish_piece(summed.clone(), own, 4.0, torch.empty(1024))
+    assert isinstance(result, PieceNorms)
+    diff, post, _ = norms_of(result)
+    exact_diff = float((average.double() - own.double()).norm())
+    assert diff == pytest.approx(exact_diff, rel=1e-3)
+    assert diff / post == pytest.approx(1e-4, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "summed, source",
+    [
+        (torch.randn(64), torch.randn(64).to(torch.bfloat16)),  # dtypes differ
+        (torch.randn(64, 2)[:, 0], torch.randn(64)),  # strided
+    ],
+)
+def test_pieces_the_loop_does_not_take_go_the_torch_way(
+    summed: torch.Tensor, source: torch.Tensor
+) -> None:
+    assert not takes_fused(summed, source)
+    expected_average = summed / 2.5
+    expected = reference(summed, source, 2.5)
+    result = finish_piece(summed, source, 2.5, torch.empty(16))
+    assert isinstance(result, list)
+    assert torch.equal(summed, expected_average)
+    assert norms_of(result) == pytest.approx(expected, rel=1e-2)
+
+
+def test_source_is_never_written() -> None:
+    summed, own = pair(10_000, torch.float32, 3)
+    before = own.clone()
+    finish_piece(summed, own, 3.0, torch.empty(256))
+    assert torch.equal(own, before)
+
+
+def test_warm_up_says_whether_the_loop_exists() -> None:
+    assert warm_up() is (fused_kernel() is not None)
