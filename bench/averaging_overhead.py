@@ -15,6 +15,12 @@ alike, with a 1-element all-reduce barrier before each:
   tenth), the divergence norms with the divide done block by block as buckets land, and the
   parameters made views of the averaged buffer, all in a worker thread;
 * ``flodl_no_verify``: the same with ``backend.verify = False``;
+* ``copy_floor``: only what any round that keeps the live tensors out of the collective must
+  do: the mass-weighted copy into a scratch buffer, bucket by bucket, each bucket's SUM
+  all-reduce started as soon as it is packed (the same buckets as flodl's), then the wait for
+  them all; no norms, no divide, no checksum, no install. Its ratio to ``bare``
+  (``copy_floor_ratio``) is the lowest ``overhead_ratio`` a scratch-copy round reaches here;
+  ``overhead_ratio_over_floor`` is what flodl adds on top;
 * ``stages``: the stages of that round run one by one on the calling thread (no trio thread
   hop), each timed, to say where the time goes.
 
@@ -43,13 +49,20 @@ import torch.distributed as dist
 import trio
 from torch._C._distributed_c10d import ProcessGroupGloo
 
-from flodl.backends.averaging import FlatLayout, bit_checksum, divisors, pack, read_sums
+from flodl.backends.averaging import (
+    FlatLayout,
+    bit_checksum,
+    divisors,
+    pack,
+    read_sums,
+    scaled_copy,
+)
 from flodl.backends.gloo import GlooBackend
 from flodl.backends.group import GroupInfo, connect_store, host_store
 from flodl.backends.pipeline import BucketPlan, ScratchPool, _Norms, install, members
 
 HERE = Path(__file__).resolve()
-VARIANTS = ("bare", "flodl", "flodl_no_verify", "stages")
+VARIANTS = ("bare", "copy_floor", "flodl", "flodl_no_verify", "stages")
 STAGES = ("pack", "allreduce", "checksum", "verify_allreduce", "norms_divide", "install")
 
 
@@ -72,8 +85,40 @@ class Bare:
         opts.reduceOp = dist.ReduceOp(op)
         self.pg.allreduce([tensor], opts).wait()
 
+    def start_allreduce(self, tensor: torch.Tensor) -> Any:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+        return self.pg.allreduce([tensor], opts)
+
     def barrier(self) -> None:
         self.allreduce(torch.zeros(1), dist.ReduceOp.SUM)
+
+
+class CopyFloor:
+    """The scratch copy and the bucketed all-reduce alone (see ``copy_floor`` above)."""
+
+    def __init__(
+        self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], buckets: int | None
+    ) -> None:
+        self.layout = FlatLayout.of(params, buffers)
+        self.plan = BucketPlan.of(self.layout, buckets)
+        self.scratch = ScratchPool().take(self.plan).flat
+
+    @torch.no_grad()
+    def round(
+        self, bare: Bare, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]
+    ) -> None:
+        sources = members(params, buffers, self.layout)
+        ops = []
+        for bucket in self.plan.buckets:
+            for piece in bucket.pieces:
+                source = sources[piece.member][
+                    piece.offset : piece.offset + piece.end - piece.start
+                ]
+                scaled_copy(source, 2.0, self.scratch[piece.start : piece.end])
+            ops.append(bare.start_allreduce(self.scratch[bucket.start : bucket.end]))
+        for op in ops:
+            op.wait()
 
 
 class Staged:
@@ -146,6 +191,7 @@ async def rank_main(
     layout = FlatLayout.of(params, buffers)
     flat = torch.zeros(layout.total)
     staged = Staged(params, buffers)
+    floor = CopyFloor(params, buffers, backend.bucket_elements)
     batches = 10 + rank  # unequal masses, as after a Cadence window
 
     def timed(fn: Callable[[], object]) -> float:
@@ -169,6 +215,8 @@ async def rank_main(
             for variant in VARIANTS[shift:] + VARIANTS[:shift]:
                 if variant == "bare":
                     row["bare"] = timed(lambda: bare.allreduce(flat, dist.ReduceOp.SUM))
+                elif variant == "copy_floor":
+                    row["copy_floor"] = timed(lambda: floor.round(bare, params, buffers))
                 elif variant == "flodl":
                     row["flodl"] = await flodl_round(True)
                 elif variant == "flodl_no_verify":
@@ -209,6 +257,11 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
             statistics.median(r["flodl_no_verify"] / r["bare"] for r in rows), 3
         ),
         "overhead_ratio_spread": [round(min(ratios), 3), round(max(ratios), 3)],
+        "copy_floor_ms": median_ms("copy_floor"),
+        "copy_floor_ratio": round(statistics.median(r["copy_floor"] / r["bare"] for r in rows), 3),
+        "overhead_ratio_over_floor": round(
+            statistics.median(r["flodl"] / r["copy_floor"] for r in rows), 3
+        ),
         "stages_ms": stages,
         "stages_sum_ms": round(sum(stages.values()), 3),
     }
