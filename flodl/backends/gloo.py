@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from flodl.backends.kernels import warm_up
+from flodl.backends.kernels import start_loading
 from flodl.backends.pipeline import PendingOp
 from flodl.backends.torch_backend import Comm, TorchDistBackend
 
@@ -61,8 +61,5 @@ class GlooBackend(TorchDistBackend):
     the one part of a round nothing overlaps; views of the averaged buffer cost nothing."""
 
     def _make_comm(self, store: Store, rank: int, world_size: int) -> Comm:
-        comm = GlooComm(store, rank, world_size, self.op_timeout)
-        # Load (the first time ever: compile, ~2 s) the loop that ends each round now, in this
-        # worker thread, rather than in the first round; later calls return at once.
-        warm_up()
-        return comm
+        start_loading()  # the loop that ends each round; rounds use torch ops until it is ready
+        return GlooComm(store, rank, world_size, self.op_timeout)

@@ -15,8 +15,9 @@ Both divide with one correctly rounded IEEE division per element, so they write 
 same average, and ranks that take different paths still agree bit for bit. The squared norms
 are summed in the element dtype within blocks of a few thousand elements and in float64
 across blocks: they feed the divergence guard, not the model (see
-:mod:`flodl.backends.averaging`). numba is imported, and the loop compiled (~0.6 s; cached on
-disk after the first time), on first use only, so ``import flodl`` stays light.
+:mod:`flodl.backends.averaging`). numba is imported and the loop loaded in a background thread
+once a gloo backend is built (:func:`start_loading`), so ``import flodl`` stays light and no
+round waits for it.
 """
 
 from __future__ import annotations
@@ -43,39 +44,72 @@ class PieceNorms:
 
 
 _Kernel = Callable[[Any, Any, Any], tuple[float, float, float]]
-_kernel: _Kernel | None = None
-_kernel_loaded = False
-_kernel_lock = threading.Lock()
+
+
+class _Loader:
+    """Loads the compiled loop once, in a thread of its own, so nobody waits for it.
+
+    Importing numba and loading the loop from numba's disk cache takes ~0.5 s (compiling it
+    the first time ever, ~2 s). Until it is ready :func:`finish_piece` takes the torch path,
+    which writes the same bits, so ranks may switch at different rounds.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+        self.kernel: _Kernel | None = None
+
+    def start(self) -> None:
+        """Begin loading in a daemon thread (once; later calls return at once)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._load, name="flodl-kernel-loader", daemon=True
+                )
+                self._thread.start()
+
+    def ready(self) -> _Kernel | None:
+        """The loop if it is loaded, else None (never waits)."""
+        return self.kernel if self._done.is_set() else None
+
+    def wait(self) -> _Kernel | None:
+        """Start loading if nobody has, wait until done; the loop, or None without numba."""
+        self.start()
+        self._done.wait()
+        return self.kernel
+
+    def _load(self) -> None:
+        try:
+            from flodl.backends import _fused
+        except ImportError:
+            self._done.set()
+            return
+        try:
+            for dtype in FUSED_DTYPES:  # compile or load each signature before anyone calls
+                piece = torch.ones(2, dtype=dtype).numpy()
+                _fused.finish(piece, piece.copy(), piece.dtype.type(1))
+            self.kernel = _fused.finish
+        finally:
+            self._done.set()
+
+
+_loader = _Loader()
+
+
+def start_loading() -> None:
+    """Load the compiled loop in the background (see :class:`_Loader`); returns at once."""
+    _loader.start()
 
 
 def fused_kernel() -> _Kernel | None:
-    """The compiled loop, or None without numba. Imports numba on the first call (thread-safe;
-    compiling happens on the loop's first call, see :func:`warm_up`)."""
-    global _kernel, _kernel_loaded
-    if _kernel_loaded:
-        return _kernel
-    with _kernel_lock:
-        if not _kernel_loaded:
-            try:
-                from flodl.backends import _fused
-            except ImportError:
-                _kernel = None
-            else:
-                _kernel = _fused.finish
-            _kernel_loaded = True
-    return _kernel
+    """The compiled loop once loaded; None while loading or without numba (never waits)."""
+    return _loader.ready()
 
 
 def warm_up() -> bool:
-    """Load the loop for float32 now (compiling it the first time ever, ~2 s; from numba's
-    disk cache after that, ~0.5 s with the import); True if it exists. Blocking: call it from
-    a worker thread. Other dtypes compile on their first use."""
-    kernel = fused_kernel()
-    if kernel is None:
-        return False
-    piece = torch.ones(2)
-    kernel(piece.numpy(), piece.clone().numpy(), piece.numpy().dtype.type(1))
-    return True
+    """Load the compiled loop now, waiting for it; True if it exists (numba installed)."""
+    return _loader.wait() is not None
 
 
 def takes_fused(summed: torch.Tensor, source: torch.Tensor) -> bool:
