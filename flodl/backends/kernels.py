@@ -15,9 +15,8 @@ Both divide with one correctly rounded IEEE division per element, so they write 
 same average, and ranks that take different paths still agree bit for bit. The squared norms
 are summed in the element dtype within blocks of a few thousand elements and in float64
 across blocks: they feed the divergence guard, not the model (see
-:mod:`flodl.backends.averaging`). numba is imported and the loop loaded in a background thread
-once a gloo backend is built (:func:`start_loading`), so ``import flodl`` stays light and no
-round waits for it.
+:mod:`flodl.backends.averaging`). numba is imported and the loop loaded only when a gloo group
+is first joined (:func:`warm_up`), so ``import flodl`` stays light.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ _Kernel = Callable[[Any, Any, Any], tuple[float, float, float]]
 
 
 class _Loader:
-    """Loads the compiled loop once, in a thread of its own, so nobody waits for it.
+    """Loads the compiled loop once, in a thread of its own.
 
     Importing numba and loading the loop from numba's disk cache takes ~0.5 s (compiling it
     the first time ever, ~2 s). Until it is ready :func:`finish_piece` takes the torch path,
@@ -95,11 +94,6 @@ class _Loader:
 
 
 _loader = _Loader()
-
-
-def start_loading() -> None:
-    """Load the compiled loop in the background (see :class:`_Loader`); returns at once."""
-    _loader.start()
 
 
 def fused_kernel() -> _Kernel | None:
