@@ -92,11 +92,6 @@ def run_flodl(task: TaskConfig, nproc: int, coordinator: CoordinatorConfig) -> d
     samples = sum(int(r["samples"]) for r in reports)
     wall = window(reports)
     fast = [r for r in ranks if r["rank"] != task.slow_rank]
-    steady = [
-        (r["idle_s"] - r["final_metrics"]["startup_wait_s"])
-        / (r["wall_s"] - r["final_metrics"]["startup_wait_s"])
-        for r in fast
-    ]
     return {
         "samples": samples,
         "window_s": round(wall, 3),
@@ -107,7 +102,6 @@ def run_flodl(task: TaskConfig, nproc: int, coordinator: CoordinatorConfig) -> d
         "fast_rank_not_training_share": round(
             max(r["idle_share"] + r["averaging_share"] for r in fast), 4
         ),
-        "fast_rank_idle_share_after_first_batch": round(max(steady), 4),
         "rounds": summary["rounds"],
         "final_anchor": summary["anchor"],
         "final_batch_counts": summary["batch_counts"],
@@ -179,9 +173,6 @@ def throughput(
         "fast_rank_idle_share": round(median("flodl", "fast_rank_idle_share"), 4),
         "fast_rank_averaging_share": round(median("flodl", "fast_rank_averaging_share"), 4),
         "fast_rank_not_training_share": round(median("flodl", "fast_rank_not_training_share"), 4),
-        "fast_rank_idle_share_after_first_batch": round(
-            median("flodl", "fast_rank_idle_share_after_first_batch"), 4
-        ),
         "flodl_samples_per_s": median("flodl", "samples_per_s"),
         "ddp_samples_per_s": median("ddp", "samples_per_s"),
         "flodl_test_accuracy": round(flodl_acc, 4),
