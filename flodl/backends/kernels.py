@@ -22,6 +22,7 @@ is first joined (:func:`warm_up`), so ``import flodl`` stays light.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -45,65 +46,47 @@ class PieceNorms:
 _Kernel = Callable[[Any, Any, Any], tuple[float, float, float]]
 
 
-class _Loader:
-    """Loads the compiled loop once, in a thread of its own.
-
-    Importing numba and loading the loop from numba's disk cache takes ~0.5 s (compiling it
-    the first time ever, ~2 s). Until it is ready :func:`finish_piece` takes the torch path,
-    which writes the same bits, so ranks may switch at different rounds.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._done = threading.Event()
-        self.kernel: _Kernel | None = None
-
-    def start(self) -> None:
-        """Begin loading in a daemon thread (once; later calls return at once)."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._load, name="flodl-kernel-loader", daemon=True
-                )
-                self._thread.start()
-
-    def ready(self) -> _Kernel | None:
-        """The loop if it is loaded, else None (never waits)."""
-        return self.kernel if self._done.is_set() else None
-
-    def wait(self) -> _Kernel | None:
-        """Start loading if nobody has, wait until done; the loop, or None without numba."""
-        self.start()
-        self._done.wait()
-        return self.kernel
-
-    def _load(self) -> None:
-        try:
-            from flodl.backends import _fused
-        except ImportError:
-            self._done.set()
-            return
-        try:
-            for dtype in FUSED_DTYPES:  # compile or load each signature before anyone calls
-                piece = torch.ones(2, dtype=dtype).numpy()
-                _fused.finish(piece, piece.copy(), piece.dtype.type(1))
-            self.kernel = _fused.finish
-        finally:
-            self._done.set()
-
-
-_loader = _Loader()
-
-
-def fused_kernel() -> _Kernel | None:
-    """The compiled loop once loaded; None while loading or without numba (never waits)."""
-    return _loader.ready()
+_lock = threading.Lock()
+_loaded = threading.Event()
+_kernel: _Kernel | None = None
 
 
 def warm_up() -> bool:
-    """Load the compiled loop now, waiting for it; True if it exists (numba installed)."""
-    return _loader.wait() is not None
+    """Import numba and load the loop for every dtype it takes, once per process; True if it
+    is there (numba installed). Blocking: ~0.5 s from numba's disk cache, ~2 s the first time
+    ever (compiling); later calls return at once. A loop that fails to load is reported as a
+    RuntimeWarning and the torch path is used (it writes the same bits)."""
+    global _kernel
+    with _lock:
+        if not _loaded.is_set():
+            _kernel = _load()
+            _loaded.set()
+    return _kernel is not None
+
+
+def fused_kernel() -> _Kernel | None:
+    """The compiled loop once :func:`warm_up` loaded it; None before, or without numba."""
+    return _kernel if _loaded.is_set() else None
+
+
+def _load() -> _Kernel | None:
+    try:
+        from flodl.backends import _fused
+    except ImportError:
+        return None
+    try:
+        for dtype in FUSED_DTYPES:  # compile or load each signature before a round calls it
+            piece = torch.ones(2, dtype=dtype).numpy()
+            _fused.finish(piece, piece.copy(), piece.dtype.type(1))
+    except Exception as err:  # numba present but unusable here: the torch path still works
+        warnings.warn(
+            f"flodl: numba could not compile the averaging loop ({err!r}); using torch ops",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    kernel: _Kernel = _fused.finish
+    return kernel
 
 
 def takes_fused(summed: torch.Tensor, source: torch.Tensor) -> bool:
