@@ -12,7 +12,7 @@ alike, with a 1-element all-reduce barrier before each:
 * ``flodl``: ``await backend.average(params, buffers, batches)``, exactly what a rank does on
   SyncNow: the mass-weighted copy into scratch, the SUM all-reduce in buckets, the checksum
   verify collective (``verify_every`` 10, as a rank: the first round of a group and every
-  tenth), the divergence norms with the divide done block by block as buckets land, and the
+  tenth), the divide and the divergence norms in one pass as each bucket lands, and the
   parameters made views of the averaged buffer, all in a worker thread;
 * ``flodl_no_verify``: the same with ``backend.verify = False``;
 * ``copy_floor``: only what any round that keeps the live tensors out of the collective must
@@ -59,7 +59,7 @@ from flodl.backends.averaging import (
 )
 from flodl.backends.gloo import GlooBackend
 from flodl.backends.group import GroupInfo, connect_store, host_store
-from flodl.backends.pipeline import BucketPlan, ScratchPool, _Norms, install, members
+from flodl.backends.pipeline import BucketPlan, ScratchPool, _Norms, _source, install, members
 
 HERE = Path(__file__).resolve()
 VARIANTS = ("bare", "copy_floor", "flodl", "flodl_no_verify", "stages")
@@ -112,10 +112,7 @@ class CopyFloor:
         ops = []
         for bucket in self.plan.buckets:
             for piece in bucket.pieces:
-                source = sources[piece.member][
-                    piece.offset : piece.offset + piece.end - piece.start
-                ]
-                scaled_copy(source, 2.0, self.scratch[piece.start : piece.end])
+                scaled_copy(_source(sources, piece), 2.0, self.scratch[piece.start : piece.end])
             ops.append(bare.start_allreduce(self.scratch[bucket.start : bucket.end]))
         for op in ops:
             op.wait()
