@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="model init and data split seed")
     parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where to train; cuda means GPU LOCAL_RANK (run with --backend nccl)",
+    )
+    parser.add_argument(
         "--slow",
         action="append",
         default=[],
@@ -111,12 +117,20 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((predicted == y).float().mean().item())
 
 
+def rank_device(name: str) -> torch.device:
+    """``cpu``, or ``cuda`` as the GPU this rank's NCCL group averages on (``LOCAL_RANK``)."""
+    if name == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     slow = parse_slow(args.slow)
     torch.set_num_threads(1)
-    x_train, y_train, x_test, y_test = load_data(args.seed)
-    model = build_model(args.hidden, args.seed)
+    device = rank_device(args.device)
+    x_train, y_train, x_test, y_test = (t.to(device) for t in load_data(args.seed))
+    model = build_model(args.hidden, args.seed).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     loss_fn = torch.nn.CrossEntropyLoss()
 

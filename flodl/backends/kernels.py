@@ -11,8 +11,10 @@ third of the all-reduce itself. :func:`finish_piece` does it in one pass:
 * otherwise (or for dtypes and devices the loop does not take) :func:`finish_piece_torch`,
   the same arithmetic with torch ops a cache-sized block at a time.
 
-Both divide with one correctly rounded IEEE division per element, so they write bitwise the
-same average, and ranks that take different paths still agree bit for bit. The squared norms
+On CPU both divide with one correctly rounded IEEE division per element, so they write bitwise
+the same average, and ranks that take different paths still agree bit for bit. (On a GPU torch
+divides by a scalar as a multiply by its reciprocal; every rank of an NCCL group runs that same
+kernel, so they agree too.) The squared norms
 are summed in the element dtype within blocks of a few thousand elements and in float64
 across blocks: they feed the divergence guard, not the model (see
 :mod:`flodl.backends.averaging`). numba is imported and the loop loaded only when a gloo group

@@ -125,3 +125,21 @@ def test_source_is_never_written() -> None:
 
 def test_once_loaded_the_loop_is_there_exactly_when_numba_is() -> None:
     assert (fused_kernel() is not None) is HAS_NUMBA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pieces_take_the_torch_path() -> None:
+    """On a GPU the average may differ from the CPU's in the last bit (torch divides by a
+    scalar as a multiply by its reciprocal there); every rank of an NCCL group runs the same
+    kernel, so they still agree with each other."""
+    summed, own = pair(100_000, torch.float32, 5)
+    on_gpu, own_gpu = summed.cuda(), own.cuda()
+    assert not takes_fused(on_gpu, own_gpu)
+    again = on_gpu.clone()
+    result = finish_piece(on_gpu, own_gpu, 3.7, torch.empty(1 << 14, device="cuda"))
+    finish_piece(again, own_gpu, 3.7, torch.empty(1 << 12, device="cuda"))
+    assert isinstance(result, list)
+    assert torch.equal(on_gpu, again)  # the same bits whatever the block size
+    assert torch.allclose(on_gpu.cpu(), summed / 3.7, rtol=2e-7, atol=0.0)
+    assert norms_of(result) == pytest.approx(reference(summed, own, 3.7), rel=1e-5)
