@@ -74,21 +74,28 @@ def fused_kernel() -> _Kernel | None:
 def _load() -> _Kernel | None:
     try:
         from flodl.backends import _fused
-    except ImportError:
+    except ImportError:  # numba is not installed: the torch path it is
+        return None
+    except Exception as err:  # numba present but unusable (no cache dir, broken install)
+        _warn_unusable(err)
         return None
     try:
         for dtype in FUSED_DTYPES:  # compile or load each signature before a round calls it
             piece = torch.ones(2, dtype=dtype).numpy()
             _fused.finish(piece, piece.copy(), piece.dtype.type(1))
-    except Exception as err:  # numba present but unusable here: the torch path still works
-        warnings.warn(
-            f"flodl: numba could not compile the averaging loop ({err!r}); using torch ops",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    except Exception as err:
+        _warn_unusable(err)
         return None
     kernel: _Kernel = _fused.finish
     return kernel
+
+
+def _warn_unusable(err: Exception) -> None:
+    warnings.warn(
+        f"flodl: numba could not build the averaging loop ({err!r}); using torch ops",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def takes_fused(summed: torch.Tensor, source: torch.Tensor) -> bool:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from flodl.backends.kernels import (
     warm_up,
 )
 
+REPO = Path(__file__).resolve().parents[2]
 HAS_NUMBA = importlib.util.find_spec("numba") is not None
 needs_numba = pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
 
@@ -143,3 +148,40 @@ def test_cuda_pieces_take_the_torch_path() -> None:
     assert torch.equal(on_gpu, again)  # the same bits whatever the block size
     assert torch.allclose(on_gpu.cpu(), summed / 3.7, rtol=2e-7, atol=0.0)
     assert norms_of(result) == pytest.approx(reference(summed, own, 3.7), rel=1e-5)
+
+
+BROKEN_NUMBA_PROBE = """
+import warnings, torch
+from flodl.backends.kernels import finish_piece, warm_up
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    loaded = warm_up()
+summed = torch.full((5,), 6.0)
+finish_piece(summed, torch.ones(5), 3.0, torch.empty(4))
+print(loaded, summed.tolist(), [str(w.message) for w in caught])
+"""
+
+
+@pytest.mark.parametrize(
+    "failure, warned", [("raise ImportError('no numba')", False), ("1 / 0", True)]
+)
+def test_a_numba_that_will_not_import_leaves_the_torch_path(
+    tmp_path: Path, failure: str, warned: bool
+) -> None:
+    """A missing numba is silent; a broken one (here: an import that raises) warns once.
+    Either way rounds still average, with torch ops."""
+    (tmp_path / "numba").mkdir()
+    (tmp_path / "numba" / "__init__.py").write_text(failure + "\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    done = subprocess.run(
+        [sys.executable, "-c", BROKEN_NUMBA_PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    loaded, rest = done.stdout.split(" ", 1)
+    assert loaded == "False"
+    assert rest.startswith("[2.0, 2.0, 2.0, 2.0, 2.0]")
+    assert ("ZeroDivisionError" in rest and "using torch ops" in rest) is warned
