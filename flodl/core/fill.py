@@ -7,7 +7,14 @@ time the others still need, rounded to the nearest whole batch: none when that i
 a batch (the extra batch would hold the round up for longer than the rank would have waited).
 
 The rank that decides is the one still working whose plan was expected to take longest (the
-*critical* rank); its remaining time is estimated from its own progress. Ranks are sorted once
+*critical* rank); its remaining time is estimated from its own progress.
+
+A rank's extra batches in one window never add up to more than the window's largest count. A
+critical rank that has stalled (stopped, swapping, about to be declared dead) looks "about to
+finish" at every query; without the bound, the others would be handed batch after batch and
+train the rest of the run without averaging while the stalled rank waits for its heartbeat
+verdict (seen: six of eight epochs run by one rank during a 2 s detection). With it they run
+at most about one window more, then wait. Ranks are sorted once
 per window and a cursor skips those that are done, so each query is amortised O(1), which
 matters with a thousand ranks going idle one after another. Pure: no I/O, time is an argument.
 """
@@ -81,9 +88,17 @@ class IdleFill:
     ) -> int:
         """How many batches ``rank`` (out of work, round not triggered) should get now.
 
-        ``steps_of(r)``: batches ``r`` ran in this window; ``working(r)``: ``r`` is still a
-        live member. 0 when every planned rank is done or the others are about to be.
+        ``steps_of(r)``: batches ``r`` ran in this window (``rank``'s own, asked when it is
+        out of work, include every extra batch it was given); ``working(r)``: ``r`` is still a
+        live member. 0 when every planned rank is done or the others are about to be, or when
+        ``rank`` has had the window's largest count in extra batches already.
         """
+        if not 0 <= rank < len(self._plan):
+            return 0
+        given = max(steps_of(rank) - self._plan[rank], 0)
+        budget = max(self._plan) - given
+        if budget <= 0:
+            return 0
         if self._by_span:
             ms = self._ms.get(rank)
             found = self._critical(steps_of, working)
@@ -101,7 +116,7 @@ class IdleFill:
         batches = max(math.floor(remaining_ms / ms + 0.5), 0)
         if not self._by_span:
             batches = min(batches, self._plan[rank])  # guesses: at most its own count again
-        return batches
+        return min(batches, budget)
 
     def _critical(
         self, steps_of: Callable[[int], int], working: Callable[[int], bool]

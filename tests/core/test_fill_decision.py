@@ -32,6 +32,7 @@ def test_uncalibrated_windows_use_the_batch_times_reported_in_the_window() -> No
     assert not fill.calibrated
     for i in range(1, 11):
         fill.on_batch(0, i * 0.010, 10.0)
+    # Rank 0 is out of work, with no extra batch yet (it ran its 10).
     # Rank 1 has not finished a batch in 100 ms: it needs at least 9 x 100 ms more, so
     # rank 0 gets more batches, at most its own count again (10).
     assert fill.extra_batches(0, 0.1, steps_of=[10, 0].__getitem__, working=lambda r: True) == 10
@@ -39,12 +40,28 @@ def test_uncalibrated_windows_use_the_batch_times_reported_in_the_window() -> No
     # 6 x 40 = 240 ms remain = 24 of rank 0's batches, capped at 10.
     fill.on_batch(1, 0.12, 40.0)
     fill.on_batch(1, 0.16, 40.0)
-    assert fill.extra_batches(0, 0.16, steps_of=[20, 4].__getitem__, working=lambda r: True) == 10
+    assert fill.extra_batches(0, 0.16, steps_of=[10, 4].__getitem__, working=lambda r: True) == 10
     # With 1 left, begun 25 ms ago: 15 ms remain -> 2 (1.5 rounds up).
     fill.on_batch(1, 0.400, 40.0)
-    assert fill.extra_batches(0, 0.425, steps_of=[30, 9].__getitem__, working=lambda r: True) == 2
+    assert fill.extra_batches(0, 0.425, steps_of=[10, 9].__getitem__, working=lambda r: True) == 2
     # The slowest is done: nothing.
-    assert fill.extra_batches(0, 0.45, steps_of=[30, 10].__getitem__, working=lambda r: True) == 0
+    assert fill.extra_batches(0, 0.45, steps_of=[10, 10].__getitem__, working=lambda r: True) == 0
+
+
+def test_extra_batches_add_up_to_at_most_the_windows_largest_count() -> None:
+    """A critical rank that stalls looks half a batch from done at every query; the idle
+    rank still gets no more than the window's largest count in all (here 12)."""
+    fill = fill_for([10, 12], {0: 10.0, 1: 10.0})
+    given = 0
+    for query in range(40):
+        now = 0.2 + query * 0.05  # rank 1 stuck on its last batch since 0.11 s
+        batches = ask(fill, 0, now, [10 + given, 11], [now, 0.11])
+        given += batches
+    assert given == 12
+    assert ask(fill, 0, 5.0, [10 + given, 11], [5.0, 0.11]) == 0
+    # The next window starts afresh.
+    fill.begin_window([10, 12], {0: 10.0, 1: 10.0}, 6.0)
+    assert ask(fill, 0, 6.2, [10, 11], [6.2, 6.11]) > 0
 
 
 def test_a_rank_with_no_report_of_its_own_gets_nothing_in_an_uncalibrated_window() -> None:
