@@ -12,7 +12,8 @@ background tasks for as long as the block lasts:
   :class:`CoordinatorError`;
 * the **heartbeat**, which sends ``Heartbeat`` every ``heartbeat_interval`` whatever the
   training loop does;
-* the **group joiner**, which joins each new group generation (NewGroupSession).
+* the **group joiner**, which joins each new group generation (NewGroupSession; see
+  :mod:`flodl.worker.membership`).
 
 The training loop calls :meth:`Worker.next_batch` and :meth:`Worker.batch_done`. Parameters
 are only ever read or written inside :meth:`Worker.next_batch` (the *batch boundary*), so a
@@ -79,6 +80,7 @@ from flodl.wire.messages import (
     Throttle,
 )
 from flodl.worker.config import WorkerConfig
+from flodl.worker.membership import GroupMembership, Standing
 from flodl.worker.persist import SavePoint, restore_rank_bundle, save_rank_bundle
 from flodl.worker.records import (
     report_path,
@@ -223,15 +225,10 @@ class Worker:
         self._ended: ShutdownRequested | None = None
         self._goodbye_sent = False
         self._fatal: FlodlError | None = None
-        self._joined_generation = -1
-        self._group_rank = -1
-        self._announced_generation = -1
-        self._doomed_generation = -1
+        self._membership = GroupMembership(backend, config.rank, self._wakeup.notify)
         self._collective_scope: trio.CancelScope | None = None
         self._boundary_scope: trio.CancelScope | None = None
-        self._join_scope: trio.CancelScope | None = None
         self._background: _BackgroundRound | None = None
-        self._sessions_send, self._sessions = trio.open_memory_channel[NewGroupSession](math.inf)
 
     # --- public: what a training loop calls -----------------------------------------------
 
@@ -502,17 +499,17 @@ class Worker:
         """Wait until this rank has joined ``sync.generation``; False if it never will."""
         while True:
             changed = self._wakeup.event()
-            if sync.generation <= self._doomed_generation:
-                log.info(
-                    "rank %d: skipping round %d of abandoned group %d",
-                    self.rank,
-                    sync.round,
-                    sync.generation,
-                )
+            standing = self._membership.standing_for(sync.generation)
+            if standing is Standing.NEVER:
+                if sync.generation <= self._membership.doomed:
+                    log.info(
+                        "rank %d: skipping round %d of abandoned group %d",
+                        self.rank,
+                        sync.round,
+                        sync.generation,
+                    )
                 return False
-            if self._joined_generation > sync.generation:
-                return False
-            if self._joined_generation == sync.generation:
+            if standing is Standing.MEMBER:
                 return True
             if self._fatal is not None or self._ending is not None:
                 return False
@@ -527,7 +524,7 @@ class Worker:
         if sync.generation == 0 and self.syncs == 0 and self.batches == 0:
             # The run's first round comes before any batch: group rank 0 alone carries mass,
             # so every rank starts from its parameters (a broadcast through the mass rule).
-            batches = 1 if self._group_rank == 0 else 0
+            batches = 1 if self._membership.group_rank == 0 else 0
         if self.config.policy is Policy.ASYNC:
             await self._start_background(sync, params, buffers, batches)
             return
@@ -707,9 +704,9 @@ class Worker:
             log.error("rank %d: %s (death record: %s)", self.rank, error, path)
         except (OSError, CheckpointError) as err:
             log.error("rank %d: %s (could not write the death record: %s)", self.rank, error, err)
-        for scope in (self._collective_scope, self._join_scope):
-            if scope is not None:
-                scope.cancel()
+        if self._collective_scope is not None:
+            self._collective_scope.cancel()
+        self._membership.stop_joining()
         self._abandon_background()
         self._wakeup.notify()
 
@@ -770,10 +767,7 @@ class Worker:
         elif isinstance(message, RequestNewGroup):
             self._prepare_group(message)
         elif isinstance(message, NewGroupSession):
-            self._announced_generation = max(self._announced_generation, message.generation)
-            if self._join_scope is not None:
-                self._join_scope.cancel()  # a newer generation supersedes the one being joined
-            self._sessions_send.send_nowait(message)
+            self._membership.announce(message)
         elif isinstance(message, Shutdown | ShutdownWithSave):
             if self._ending is None:
                 self._ending = message
@@ -803,9 +797,7 @@ class Worker:
 
     def _on_declare_dead(self, message: DeclareDead) -> None:
         log.info("rank %d: rank %d declared dead; abandoning its group", self.rank, message.rank)
-        self._doomed_generation = max(
-            self._doomed_generation, self._joined_generation, self._announced_generation
-        )
+        self._membership.doom()
         if self._collective_scope is not None:
             self._collective_scope.cancel()
         self._abandon_background()
@@ -829,29 +821,6 @@ class Worker:
             next_beat += interval
             await trio.sleep_until(next_beat)
             await self._send(Heartbeat(rank=self.rank, step_count=self.step_count))
-
-    async def _group_loop(self) -> None:
-        """Join each announced group generation in turn (newer ones supersede older)."""
-        async for session in self._sessions:
-            if session.generation < self._announced_generation:
-                continue  # superseded before we got to it
-            with trio.CancelScope() as scope:
-                self._join_scope = scope
-                try:
-                    await self.backend.join_group(
-                        session.info, session.new_rank, session.new_world_size, session.generation
-                    )
-                    self._joined_generation = session.generation
-                    self._group_rank = session.new_rank
-                except BackendError as err:
-                    log.warning(
-                        "rank %d: could not join group %d: %s", self.rank, session.generation, err
-                    )
-                finally:
-                    self._join_scope = None
-            if scope.cancelled_caught:
-                log.info("rank %d: join of group %d superseded", self.rank, session.generation)
-            self._wakeup.notify()
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -878,7 +847,7 @@ class Worker:
         self._nursery = nursery
         nursery.start_soon(self._receive_loop)
         nursery.start_soon(self._heartbeat_loop)
-        nursery.start_soon(self._group_loop)
+        nursery.start_soon(self._membership.join_announced)
 
     def note_exit(self, error: BaseException | None) -> None:
         """Record why the training script left the block (for ``rank<N>.json``)."""
