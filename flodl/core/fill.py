@@ -7,22 +7,30 @@ time the others still need, rounded to the nearest whole batch: none when that i
 a batch (the extra batch would hold the round up for longer than the rank would have waited).
 
 The rank that decides is the one still working whose plan was expected to take longest (the
-*critical* rank); its remaining time is estimated from its own progress.
+*critical* rank); its remaining time is estimated from its own progress. Ranks are sorted
+once per window and a cursor skips those that are done, so each query is amortised O(1),
+which matters with a thousand ranks going idle one after another. Pure: no I/O, time is an
+argument.
 
-A rank's extra batches in one window never add up to more than the window's largest count. A
-critical rank that has stalled (stopped, swapping, about to be declared dead) looks "about to
-finish" at every query; without the bound, the others would be handed batch after batch and
-train the rest of the run without averaging while the stalled rank waits for its heartbeat
-verdict (seen: six of eight epochs run by one rank during a 2 s detection). With it they run
-at most about one window more, then wait. Ranks are sorted once
-per window and a cursor skips those that are done, so each query is amortised O(1), which
-matters with a thousand ranks going idle one after another. Pure: no I/O, time is an argument.
+A critical rank that has stalled (stopped, swapping, about to be declared dead) must not be
+read as "about to finish": the others would be handed batch after batch and train the rest of
+the run without averaging while it waits for its heartbeat verdict (seen: six of eight epochs
+run by one rank during a 2 s detection). So a critical rank overdue by more than
+``STALLED_AFTER_BATCHES`` of its own batches gets no one filled in its shadow (the others
+wait, as they would without the fill), and as a backstop a rank's extra batches in one window
+never add up to more than ``MAX_FILL_WINDOWS`` times the window's largest count.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+
+STALLED_AFTER_BATCHES = 4.0
+"""A critical rank this many of its batch times past its expected finish counts as stalled."""
+
+MAX_FILL_WINDOWS = 4
+"""A rank's extra batches in one window add up to at most this many times the largest count."""
 
 
 class IdleFill:
@@ -90,13 +98,13 @@ class IdleFill:
 
         ``steps_of(r)``: batches ``r`` ran in this window (``rank``'s own, asked when it is
         out of work, include every extra batch it was given); ``working(r)``: ``r`` is still a
-        live member. 0 when every planned rank is done or the others are about to be, or when
-        ``rank`` has had the window's largest count in extra batches already.
+        live member. 0 when every planned rank is done or the others are about to be, when
+        the critical rank has stalled, or when ``rank`` has had its bound (module docstring).
         """
         if not 0 <= rank < len(self._plan):
             return 0
         given = max(steps_of(rank) - self._plan[rank], 0)
-        budget = max(self._plan) - given
+        budget = MAX_FILL_WINDOWS * max(self._plan) - given
         if budget <= 0:
             return 0
         if self._by_span:
@@ -131,11 +139,14 @@ class IdleFill:
         return None
 
     def _remaining_ms(self, rank: int, left: int, ms: float, now: float) -> float:
-        """Time ``rank`` still needs for its ``left`` batches of ``ms`` each."""
+        """Time ``rank`` still needs for its ``left`` batches of ``ms`` each; 0 once it has
+        stalled (overdue by more than ``STALLED_AFTER_BATCHES`` batches)."""
         started = self._last_report.get(rank, self._started_at)
         remaining_ms = left * ms - (now - started) * 1000.0
+        if remaining_ms < -STALLED_AFTER_BATCHES * ms:
+            return 0.0
         if remaining_ms < -ms / 2.0:
-            remaining_ms = ms / 2.0  # long overdue: its batch may take a while yet
+            remaining_ms = ms / 2.0  # overdue: its batch may take a while yet
         return remaining_ms
 
     def _uncalibrated_remaining_ms(

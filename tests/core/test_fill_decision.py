@@ -48,20 +48,34 @@ def test_uncalibrated_windows_use_the_batch_times_reported_in_the_window() -> No
     assert fill.extra_batches(0, 0.45, steps_of=[10, 10].__getitem__, working=lambda r: True) == 0
 
 
-def test_extra_batches_add_up_to_at_most_the_windows_largest_count() -> None:
-    """A critical rank that stalls looks half a batch from done at every query; the idle
-    rank still gets no more than the window's largest count in all (here 12)."""
-    fill = fill_for([10, 12], {0: 10.0, 1: 10.0})
+def test_a_stalled_critical_rank_gets_no_one_filled_in_its_shadow() -> None:
+    """Overdue by up to 4 of its batches: "half a batch away" as before; beyond: stalled
+    (stopped, about to be declared dead), so the idle rank waits instead of training on."""
+    fill = fill_for([10, 4], {0: 10.0, 1: 30.0})
+    # 1 batch of 30 ms begun at 0.0: expected at 30 ms.
+    assert ask(fill, 0, 0.140, [10, 3], [0.140, 0.0]) == 2  # overdue 110 ms < 120: 15 ms
+    assert ask(fill, 0, 0.160, [10, 3], [0.160, 0.0]) == 0  # overdue 130 ms: stalled
+    # It reports again: no longer stalled.
+    assert ask(fill, 0, 0.170, [10, 3], [0.170, 0.160]) == 2  # 20 ms left
+
+
+def test_extra_batches_add_up_to_at_most_four_times_the_windows_largest_count() -> None:
+    """Backstop: in an uncalibrated window a rank that never reports looks ever farther from
+    done; the idle rank still gets at most 4 x 12 extra batches in all."""
+    fill = fill_for([10, 12], {})
     given = 0
     for query in range(40):
-        now = 0.2 + query * 0.05  # rank 1 stuck on its last batch since 0.11 s
-        batches = ask(fill, 0, now, [10 + given, 11], [now, 0.11])
+        now = 0.2 + query * 0.05
+        fill.on_batch(0, now, 10.0)
+        batches = fill.extra_batches(
+            0, now, steps_of=[10 + given, 0].__getitem__, working=lambda r: True
+        )
+        assert batches <= 10  # and never more than its own count at once
         given += batches
-    assert given == 12
-    assert ask(fill, 0, 5.0, [10 + given, 11], [5.0, 0.11]) == 0
-    # The next window starts afresh.
-    fill.begin_window([10, 12], {0: 10.0, 1: 10.0}, 6.0)
-    assert ask(fill, 0, 6.2, [10, 11], [6.2, 6.11]) > 0
+    assert given == 48
+    fill.begin_window([10, 12], {}, 3.0)  # the next window starts afresh
+    fill.on_batch(0, 3.1, 10.0)
+    assert fill.extra_batches(0, 3.1, steps_of=[10, 0].__getitem__, working=lambda r: True) > 0
 
 
 def test_a_rank_with_no_report_of_its_own_gets_nothing_in_an_uncalibrated_window() -> None:
