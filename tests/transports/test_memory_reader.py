@@ -32,6 +32,8 @@ from flodl.transports.memory_stream import FaultPlan, Link, MemoryStream, memory
 from flodl.wire.codec import FrameEncoder
 from flodl.wire.messages import TO_COORDINATOR_TAGS, Heartbeat, Message
 
+from .reader_log import ReaderLog
+
 UP = b"memory-reader-test-key-upward-00"
 
 
@@ -63,37 +65,10 @@ def far_end(link: Link | None = None) -> Far:
     return Far(far, channel)
 
 
-@attrs.define(eq=False)
-class Seen:
-    """What a reader handed over: per channel index, with the pass and time of each batch."""
-
-    messages: dict[int, list[Message]] = attrs.field(factory=dict)
-    batches: list[tuple[int, int, int, float]] = attrs.field(factory=list)
-    """(index, batch size, pass number, now) per on_messages call."""
-    ends: dict[int, list[Exception | None]] = attrs.field(factory=dict)
-    passes: int = 0
-
-    def handlers(
-        self, index: int
-    ) -> tuple[Callable[[list[Message], float], None], Callable[[Exception | None], None]]:
-        def on_messages(batch: list[Message], now: float) -> None:
-            assert batch
-            self.messages.setdefault(index, []).extend(batch)
-            self.batches.append((index, len(batch), self.passes, now))
-
-        def on_end(error: Exception | None) -> None:
-            self.ends.setdefault(index, []).append(error)
-
-        return on_messages, on_end
-
-    def after_pass(self) -> None:
-        self.passes += 1
-
-
 @asynccontextmanager
-async def reading(fars: list[Far]) -> AsyncIterator[tuple[MemoryReader, Seen]]:
+async def reading(fars: list[Far]) -> AsyncIterator[tuple[MemoryReader, ReaderLog]]:
     reader = MemoryReader()
-    seen = Seen()
+    seen = ReaderLog()
     for index, far in enumerate(fars):
         reader.add(far.channel, *seen.handlers(index))
     async with trio.open_nursery() as nursery:
@@ -336,7 +311,7 @@ async def test_flooding_channels_cannot_starve_a_quiet_one_and_passes_are_capped
 async def test_closing_while_running_stops_it_and_unhooks_every_stream() -> None:
     fars = [far_end() for _ in range(3)]
     reader = MemoryReader()
-    seen = Seen()
+    seen = ReaderLog()
     for index, far in enumerate(fars):
         reader.add(far.channel, *seen.handlers(index))
     with pytest.raises(ValueError, match="already watched"):
@@ -365,5 +340,5 @@ async def test_it_watches_only_memory_channels() -> None:
     other = Channel(left, send_key=b"x" * 32, receive_key=UP, receive_tags=TO_COORDINATOR_TAGS)
     assert not MemoryReader.can_read(other) and not reader.can_add(other)
     with pytest.raises(ValueError, match="not a memory stream"):
-        reader.add(other, *Seen().handlers(0))
+        reader.add(other, *ReaderLog().handlers(0))
     assert MemoryReader.can_read(far_end().channel)

@@ -34,8 +34,9 @@ from flodl.transports.socket_stream import SocketStream
 from flodl.wire.codec import FrameEncoder
 from flodl.wire.messages import TO_COORDINATOR_TAGS, Heartbeat, Message, SyncNow
 
+from .reader_log import WAIT, ReaderLog
+
 UP = b"socket-reader-test-key-upward-00"
-WAIT = 5.0
 
 
 def beat(rank: int, step: int) -> Heartbeat:
@@ -68,52 +69,11 @@ def socket_peer() -> Peer:
     return Peer(far, coordinator_channel(near))
 
 
-@attrs.define(eq=False)
-class Log:
-    """What the reader handed over, per peer index, and when passes ended."""
-
-    messages: dict[int, list[Message]] = attrs.field(factory=dict)
-    batches: list[tuple[int, int, int]] = attrs.field(factory=list)
-    """(peer, batch size, pass number) for every on_messages call."""
-    ends: dict[int, list[Exception | None]] = attrs.field(factory=dict)
-    times: list[float] = attrs.field(factory=list)
-    passes: int = 0
-    changed: trio.Event = attrs.field(factory=trio.Event)
-
-    def handlers(
-        self, index: int
-    ) -> tuple[Callable[[list[Message], float], None], Callable[[Exception | None], None]]:
-        def on_messages(batch: list[Message], now: float) -> None:
-            assert batch
-            self.messages.setdefault(index, []).extend(batch)
-            self.batches.append((index, len(batch), self.passes))
-            self.times.append(now)
-            self._changed()
-
-        def on_end(error: Exception | None) -> None:
-            self.ends.setdefault(index, []).append(error)
-            self._changed()
-
-        return on_messages, on_end
-
-    def after_pass(self) -> None:
-        self.passes += 1
-
-    def _changed(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
-    async def wait_for(self, condition: Callable[[], bool]) -> None:
-        with trio.fail_after(WAIT):
-            while not condition():
-                await self.changed.wait()
-
-
 @asynccontextmanager
-async def reading(peers: list[Peer]) -> AsyncIterator[tuple[SocketReader, Log]]:
+async def reading(peers: list[Peer]) -> AsyncIterator[tuple[SocketReader, ReaderLog]]:
     """A running reader watching ``peers``; cancelled, and every socket closed, on exit."""
     reader = SocketReader()
-    log = Log()
+    log = ReaderLog()
     for index, peer in enumerate(peers):
         reader.add(peer.channel, *log.handlers(index))
     try:
@@ -259,11 +219,11 @@ async def test_flooding_channels_cannot_starve_a_quiet_one_and_passes_are_capped
     assert {i: log.messages[i] for i in range(4)} == flooded
     # Every ready socket is read once before any is read twice: the quiet rank's message comes
     # before any flooding socket's second batch.
-    order = [index for index, _, _ in log.batches]
+    order = [index for index, *_ in log.batches]
     first_repeat = next(n for n, index in enumerate(order) if index in order[:n])
     assert order.index(4) < first_repeat
     handed_per_pass: dict[int, int] = {}
-    for _, size, done in log.batches:
+    for _, size, done, _ in log.batches:
         assert size <= per_read
         handed_per_pass[done] = handed_per_pass.get(done, 0) + size
     assert max(handed_per_pass.values()) <= PASS_MESSAGES + per_read
@@ -278,7 +238,7 @@ async def test_cancel_and_close_release_every_fd() -> None:
     before = open_fds()
     peers = [socket_peer() for _ in range(5)]
     reader = SocketReader()
-    log = Log()
+    log = ReaderLog()
     for index, peer in enumerate(peers):
         reader.add(peer.channel, *log.handlers(index))
     with trio.move_on_after(WAIT):
@@ -325,16 +285,16 @@ async def test_it_refuses_channels_it_cannot_watch() -> None:
     memory = coordinator_channel_over(left)
     assert not SocketReader.can_read(memory)
     with pytest.raises(ValueError, match="no socket"):
-        reader.add(memory, *Log().handlers(0))
+        reader.add(memory, *ReaderLog().handlers(0))
     peer = socket_peer()
     assert SocketReader.can_read(peer.channel)
-    reader.add(peer.channel, *Log().handlers(0))
+    reader.add(peer.channel, *ReaderLog().handlers(0))
     with pytest.raises(ValueError, match="already watched"):
-        reader.add(peer.channel, *Log().handlers(1))
+        reader.add(peer.channel, *ReaderLog().handlers(1))
     reader.close()
     other = socket_peer()
     with pytest.raises(trio.ClosedResourceError):
-        reader.add(other.channel, *Log().handlers(2))
+        reader.add(other.channel, *ReaderLog().handlers(2))
     for p in (peer, other):
         p.sock.close()
         await p.channel.aclose()
