@@ -29,6 +29,27 @@ def _translate(err: OSError) -> trio.BrokenResourceError | trio.ClosedResourceEr
     return trio.BrokenResourceError(f"socket error: {err}")
 
 
+class _OneTaskAtATime:
+    """Trio's rule for one direction of a stream: a second task using it raises
+    ``BusyResourceError``. ``with guard:`` holds the direction for a waiting call;
+    :meth:`check` is for calls that never wait."""
+
+    def __init__(self, doing: str) -> None:
+        self._busy = False
+        self._message = f"another task is already {doing} on this stream"
+
+    def check(self) -> None:
+        if self._busy:
+            raise trio.BusyResourceError(self._message)
+
+    def __enter__(self) -> None:
+        self.check()
+        self._busy = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._busy = False
+
+
 class SocketStream(trio.abc.HalfCloseableStream):
     """A ``trio.abc.HalfCloseableStream`` over ``sock`` (connected; made non-blocking here).
 
@@ -38,18 +59,15 @@ class SocketStream(trio.abc.HalfCloseableStream):
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         self.socket = sock
-        self._sending = False
-        self._receiving = False
+        self._sending = _OneTaskAtATime("sending")
+        self._receiving = _OneTaskAtATime("receiving")
         self._eof_sent = False
 
     # --- sending ------------------------------------------------------------------------
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Send every byte of ``data``; a checkpoint. Cancelled midway, part may be sent."""
-        if self._sending:
-            raise trio.BusyResourceError("another task is already sending on this stream")
-        self._sending = True
-        try:
+        with self._sending:
             if self._eof_sent:
                 raise trio.ClosedResourceError("cannot send data after sending EOF")
             self._check_open()
@@ -65,8 +83,6 @@ class SocketStream(trio.abc.HalfCloseableStream):
                     except OSError as err:
                         raise _translate(err) from err
             await trio.lowlevel.cancel_shielded_checkpoint()
-        finally:
-            self._sending = False
 
     def send_nowait(self, data: bytes | bytearray | memoryview) -> int:
         """Write as much of ``data`` as the socket takes now; the number of bytes (0 if none).
@@ -75,8 +91,7 @@ class SocketStream(trio.abc.HalfCloseableStream):
         step). Raises BusyResourceError while :meth:`send_all` is under way, and
         ClosedResourceError / BrokenResourceError as :meth:`send_all` does.
         """
-        if self._sending:
-            raise trio.BusyResourceError("another task is already sending on this stream")
+        self._sending.check()
         if self._eof_sent:
             raise trio.ClosedResourceError("cannot send data after sending EOF")
         self._check_open()
@@ -88,21 +103,13 @@ class SocketStream(trio.abc.HalfCloseableStream):
             raise _translate(err) from err
 
     async def wait_send_all_might_not_block(self) -> None:
-        if self._sending:
-            raise trio.BusyResourceError("another task is already sending on this stream")
-        self._sending = True
-        try:
+        with self._sending:
             self._check_open()
             await trio.lowlevel.wait_writable(self.socket)
-        finally:
-            self._sending = False
 
     async def send_eof(self) -> None:
         """Shut down the sending side (idempotent); the peer then reads end of stream."""
-        if self._sending:
-            raise trio.BusyResourceError("another task is already sending on this stream")
-        self._sending = True
-        try:
+        with self._sending:
             self._check_open()
             await trio.lowlevel.checkpoint()
             if self._eof_sent:
@@ -112,8 +119,6 @@ class SocketStream(trio.abc.HalfCloseableStream):
             except OSError as err:
                 raise _translate(err) from err
             self._eof_sent = True
-        finally:
-            self._sending = False
 
     # --- receiving ----------------------------------------------------------------------
 
@@ -125,10 +130,7 @@ class SocketStream(trio.abc.HalfCloseableStream):
         max_bytes = DEFAULT_RECEIVE_SIZE if max_bytes is None else operator.index(max_bytes)
         if max_bytes < 1:
             raise ValueError("max_bytes must be >= 1")
-        if self._receiving:
-            raise trio.BusyResourceError("another task is already receiving on this stream")
-        self._receiving = True
-        try:
+        with self._receiving:
             self._check_open()
             sock = self.socket
             while True:
@@ -139,8 +141,6 @@ class SocketStream(trio.abc.HalfCloseableStream):
                     continue  # a spurious wake-up
                 except OSError as err:
                     raise _translate(err) from err
-        finally:
-            self._receiving = False
 
     def receive_nowait(self, max_bytes: int = DEFAULT_RECEIVE_SIZE) -> bytes:
         """What the socket holds now, at most ``max_bytes``; b"" at the end of the stream.
@@ -150,8 +150,7 @@ class SocketStream(trio.abc.HalfCloseableStream):
         when nothing has arrived, BusyResourceError while :meth:`receive_some` is under way,
         and ClosedResourceError / BrokenResourceError as :meth:`receive_some` does.
         """
-        if self._receiving:
-            raise trio.BusyResourceError("another task is already receiving on this stream")
+        self._receiving.check()
         try:
             return self.socket.recv(max_bytes)
         except BlockingIOError:
