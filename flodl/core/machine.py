@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 
 from flodl.config import CoordinatorConfig
+from flodl.core.job import Job
 from flodl.core.cycle import Cycle, Policy
 from flodl.core.effects import Broadcast, Send
 from flodl.core.elche import ElChe, RankWindow, elche_for_world
@@ -95,15 +96,6 @@ class Outcome:
     status: Status
     save_reason: SaveReason | None = None
     message: str = ""
-
-
-@attrs.frozen
-class Job:
-    """What every rank trains: samples per epoch, batch size, number of epochs."""
-
-    dataset_size: int
-    batch_size: int
-    epochs: int
 
 
 @attrs.frozen
@@ -388,9 +380,10 @@ class CoordinatorMachine:
     def _on_ready(self, rank: int, ready: Ready, now: float) -> list[Effect]:
         if self.phase is not Phase.JOINING:
             return self._on_rejoin(rank, ready, now)
-        if ready.batch_size < 1 or ready.epochs < 1 or ready.dataset_size < ready.batch_size:
-            return [Disconnect(rank, f"rank {rank} described an empty job: {ready}")]
         job = Job(ready.dataset_size, ready.batch_size, ready.epochs)
+        problem = job.problem()
+        if problem is not None:
+            return [Disconnect(rank, f"rank {rank} described a job that cannot run: {problem}")]
         if self.job is None:
             self.job = job
         elif job != self.job:
