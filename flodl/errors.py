@@ -15,6 +15,11 @@ class ConfigError(FlodlError, ValueError):
     """A setting is missing, out of range or inconsistent with another."""
 
 
+class OutOfTurn(ConfigError):
+    """A call the rank's state does not allow (``done()`` with no batch handed out, an event
+    the rank machine cannot take now)."""
+
+
 # --- wire -----------------------------------------------------------------------------------
 
 
@@ -40,6 +45,10 @@ class UnknownMessage(ProtocolError):
 
 class MessageValidationError(ProtocolError):
     """A payload decoded, but its fields are missing, extra or of the wrong type or range."""
+
+
+class UnexpectedMessage(ProtocolError):
+    """A well-formed message arrived in a state where the protocol does not allow it."""
 
 
 class VersionMismatch(ProtocolError):
