@@ -16,6 +16,7 @@ import trio
 
 from flodl.errors import ConfigError, FlodlError, HandshakeTimeout
 from flodl.transports.channel import Channel, accept_rank
+from flodl.transports.errors import STREAM_ERRORS
 from flodl.wire.codec import DEFAULT_MAX_PAYLOAD
 from flodl.wire.handshake import check_session_key, check_signature
 
@@ -27,7 +28,7 @@ RankHandler = Callable[[int, Channel], Awaitable[None]]
 RankErrorHandler = Callable[[int | None, BaseException], None]
 """``on_rank_error(rank or None, error)``: one connection failed (rank None: before it had one)."""
 
-_CONNECTION_ERRORS = (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError)
+_CONNECTION_ERRORS: tuple[type[Exception], ...] = (FlodlError, *STREAM_ERRORS)
 
 
 class AcceptsStreams(Protocol):

@@ -9,15 +9,15 @@ bytes and time into it and carries its effects out. One nursery owns every task:
   rank and, once the effects of an event are carried out, written straight to each stream
   that takes it without waiting (one step for a whole broadcast rather than a task wake-up
   per rank); the writer only sends what a stream could not take at once;
-* reading: all ranks are read by one task, a
-  :class:`~flodl.transports.channel_reader.ChannelReader` started with the first of them
-  (a :class:`~flodl.transports.socket_reader.SocketReader` for tcp:// and unix://, a
-  :class:`~flodl.transports.memory_reader.MemoryReader` for memory://): one trio wake-up
-  serves every channel readable at that moment, where a reader task per rank cost a wake-up
-  per channel for about two messages (at 1,024 ranks that wake-up was most of the
-  coordinator's cost per message; the figures are in docs/benchmarks.md). A stream neither
-  can watch keeps a read loop of its own. Every path hands the machine the same messages in
-  the same order, at the time they were read, and ends a rank the same way;
+* reading: ranks are read by one shared
+  :class:`~flodl.transports.channel_reader.ChannelReader` per kind of stream, started with
+  the first rank it serves (:func:`~flodl.transports.readers.reader_for` says which kind
+  serves a channel): one trio wake-up serves every channel readable at that moment, where a
+  reader task per rank costs a wake-up per channel for about two messages (at 1,024 ranks
+  that wake-up is most of the coordinator's cost per message; the figures are in
+  docs/benchmarks.md). A channel no kind serves keeps a read loop of its own. Every path
+  hands the machine the same messages in the same order, at the time they were read, and
+  ends a rank the same way;
 * the heartbeat task, which beats every ``heartbeat_interval`` whatever else is waiting;
 * the deadline task, which sleeps in a cancel scope until the machine's next deadline
   (silence deaths, the window-completion ceiling, the stall ceiling, rendezvous retries).
@@ -33,7 +33,6 @@ coordinator down. Usage::
 from __future__ import annotations
 
 import logging
-import select
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 
@@ -56,8 +55,8 @@ from flodl.errors import (
 from flodl.transports import open_listener
 from flodl.transports.channel import Channel
 from flodl.transports.channel_reader import ChannelReader
-from flodl.transports.memory_reader import MemoryReader
-from flodl.transports.socket_reader import SocketReader
+from flodl.transports.errors import STREAM_ERRORS
+from flodl.transports.readers import reader_for
 from flodl.wire.codec import EncodedMessage, encode_message
 from flodl.wire.messages import CoordHeartbeat, Message
 
@@ -68,12 +67,13 @@ log = logging.getLogger("flodl.coordinator")
 
 # What ends one rank's connection. Anything else (a CoordinatorError from the machine, say)
 # is a bug of ours: it propagates and stops the coordinator rather than blaming the rank.
-_CONNECTION_ERRORS = (
+# A Channel maps stream errors to TransportError itself; a stream error that reaches here
+# all the same still only ends the rank it came from.
+_CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     WireError,
     HandshakeError,
     TransportError,
-    trio.BrokenResourceError,
-    trio.ClosedResourceError,
+    *STREAM_ERRORS,
 )
 
 OUTBOX_LIMIT = 4096
@@ -190,15 +190,9 @@ class Coordinator:
 
     def _shared_reader(self, channel: Channel) -> ChannelReader | None:
         """The shared reader for ``channel``'s kind of stream, started on first use; None if
-        no shared reader can watch it."""
-        if self._tasks is None:
-            return None
-        kind: type[ChannelReader]
-        if MemoryReader.can_read(channel):
-            kind = MemoryReader
-        elif SocketReader.can_read(channel) and hasattr(select, "epoll"):
-            kind = SocketReader
-        else:
+        no kind of shared reader serves it."""
+        kind = reader_for(channel)
+        if kind is None or self._tasks is None:
             return None
         reader = self._readers.get(kind)
         if reader is None:

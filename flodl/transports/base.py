@@ -1,18 +1,49 @@
-"""The two interfaces every transport implements: :class:`Transport` and :class:`Listener`.
+"""The interfaces every transport implements: :class:`Transport`, :class:`Listener`, and the
+streams' :class:`NowaitStream` half.
 
 A transport moves raw bytes. Streams it returns are ``trio.abc.HalfCloseableStream`` where the
-medium allows it, so a peer can say "no more from me" with ``send_eof`` and still read.
+medium allows it, so a peer can say "no more from me" with ``send_eof`` and still read, and
+:class:`NowaitStream` as well, so that one task can write and read many of them in one step.
 """
 
 from __future__ import annotations
 
 import abc
 from types import TracebackType
-from typing import Protocol, Self
+from typing import Protocol, Self, runtime_checkable
 
 import trio
 
 from flodl.transports.url import ParsedURL
+
+
+@runtime_checkable
+class NowaitStream(Protocol):
+    """The calls of a stream that never wait (flodl's socket and memory streams have them).
+
+    Neither is a checkpoint, so one task can serve many streams per wake-up (the coordinator
+    writes a broadcast to every rank in one step; a shared reader reads every readable
+    channel in one pass). A stream without them still works everywhere, through its waiting
+    calls only: :class:`~flodl.transports.channel.Channel` then answers its own ``_nowait``
+    calls with ``trio.WouldBlock``.
+    """
+
+    def send_nowait(self, data: bytes | bytearray | memoryview) -> int:
+        """Write as much of ``data`` as the stream takes now; the number of bytes (0: none).
+
+        Raises BusyResourceError while a ``send_all`` is under way, and ClosedResourceError /
+        BrokenResourceError as ``send_all`` does.
+        """
+        ...
+
+    def receive_nowait(self, max_bytes: int) -> bytes:
+        """What has arrived, at most ``max_bytes``; b"" at the end of the stream.
+
+        Raises ``trio.WouldBlock`` when nothing has, BusyResourceError while a
+        ``receive_some`` is under way, ClosedResourceError / BrokenResourceError as
+        ``receive_some`` does.
+        """
+        ...
 
 
 class Listener(Protocol):

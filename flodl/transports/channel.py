@@ -7,6 +7,7 @@ It also holds the two handshake drivers that open one: :func:`connect_rank` (ran
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -23,6 +24,8 @@ from flodl.errors import (
     HandshakeVersionMismatch,
     ReplayedHello,
 )
+from flodl.transports.base import NowaitStream
+from flodl.transports.errors import STREAM_ERRORS, map_exceptions
 from flodl.wire.codec import DEFAULT_MAX_PAYLOAD, EncodedMessage, FrameDecoder, FrameEncoder
 from flodl.wire.handshake import (
     CLIENT_HELLO_SIZE,
@@ -46,6 +49,10 @@ from flodl.wire.messages import TO_COORDINATOR_TAGS, TO_RANK_TAGS, Message
 RECEIVE_CHUNK = 64 * 1024
 """Most bytes read from the stream at once; the decoder never holds more than one frame + this."""
 
+_BROKEN = tuple(STREAM_ERRORS)
+_RECEIVING = map_exceptions(STREAM_ERRORS, "stream broke while receiving")
+_HANDSHAKING = map_exceptions(STREAM_ERRORS, "stream broke during the handshake")
+
 
 class Channel:
     """Sends and receives messages over one stream, under one direction key each way.
@@ -56,6 +63,11 @@ class Channel:
     :class:`TruncatedFrame`; a broken stream, or any use after a wire error, raises
     :class:`BrokenChannel`. Wire errors (authentication, sequence, size, validation) surface with
     their own types the first time.
+
+    Any ``trio.abc.Stream`` will do. One that is also a
+    :class:`~flodl.transports.base.NowaitStream` can be written and read without waiting
+    (:meth:`send_nowait`, :meth:`receive_batch_nowait`); over any other those two raise
+    ``trio.WouldBlock`` and the waiting calls do all the work.
     """
 
     def __init__(
@@ -68,6 +80,7 @@ class Channel:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
     ) -> None:
         self._stream = stream
+        self._nowait: NowaitStream | None = stream if isinstance(stream, NowaitStream) else None
         self._encoder = FrameEncoder(send_key, max_payload=max_payload)
         self._decoder = FrameDecoder(
             receive_key, max_payload=max_payload, allowed_tags=receive_tags
@@ -117,14 +130,12 @@ class Channel:
             if self._unsent:
                 data, self._unsent = self._unsent + data, b""
             if data:
-                try:
-                    await self._stream.send_all(data)
-                except BaseException as err:
-                    self._send_broken = err
-                    if isinstance(err, trio.BrokenResourceError | trio.ClosedResourceError):
-                        names = ", ".join(_name_of(m) for m in messages)
-                        raise BrokenChannel(f"cannot send {names}: {err}") from err
-                    raise
+                with map_exceptions(STREAM_ERRORS, lambda: _cannot_send(messages)):
+                    try:
+                        await self._stream.send_all(data)
+                    except BaseException as err:
+                        self._send_broken = err
+                        raise
             if too_large is not None:
                 raise too_large
         finally:
@@ -143,23 +154,23 @@ class Channel:
         True: every byte is written. False: the frames are numbered and partly written; the
         rest goes out with the next :meth:`send_many` or :meth:`flush`, before anything sent
         later. Raises ``trio.WouldBlock`` (nothing encoded or sent) when an async send holds
-        the channel or the stream cannot write without waiting (only streams with a
-        ``send_nowait(data) -> int`` method can); BrokenChannel and FrameTooLarge as
+        the channel or the stream cannot write without waiting (it is not a
+        :class:`~flodl.transports.base.NowaitStream`); BrokenChannel and FrameTooLarge as
         :meth:`send_many` (frames before a too-large one are still sent).
         """
-        stream_send = getattr(self._stream, "send_nowait", None)
-        if stream_send is None or self._send_lock.locked() or self._unsent:
+        stream = self._nowait
+        if stream is None or self._send_lock.locked() or self._unsent:
             raise trio.WouldBlock
         if self._send_broken is not None:
             raise BrokenChannel(f"cannot send: an earlier send failed ({self._send_broken!r})")
         data, too_large = self._encode(messages)
         if data:
-            try:
-                written = stream_send(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
-                self._send_broken = err
-                names = ", ".join(_name_of(m) for m in messages)
-                raise BrokenChannel(f"cannot send {names}: {err}") from err
+            with map_exceptions(STREAM_ERRORS, lambda: _cannot_send(messages)):
+                try:
+                    written = stream.send_nowait(data)
+                except _BROKEN as err:  # nothing is half-written by anything else it raises
+                    self._send_broken = err
+                    raise
             self._unsent = data[written:]
         if too_large is not None:
             raise too_large
@@ -188,10 +199,8 @@ class Channel:
         if not isinstance(self._stream, trio.abc.HalfCloseableStream):
             raise BrokenChannel(f"{type(self._stream).__name__} cannot half-close")
         async with self._send_lock:
-            try:
+            with map_exceptions(STREAM_ERRORS, "cannot send end of stream"):
                 await self._stream.send_eof()
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
-                raise BrokenChannel(f"cannot send end of stream: {err}") from err
             self._send_broken = ChannelClosed("end of stream already sent")
 
     async def receive(self) -> Message:
@@ -228,10 +237,8 @@ class Channel:
                     return batch
                 if self._peer_closed:
                     raise ChannelClosed("the peer closed the channel")
-                try:
+                with _RECEIVING:
                     data = await self._stream.receive_some(RECEIVE_CHUNK)
-                except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
-                    raise BrokenChannel(f"stream broke while receiving: {err!r}") from err
                 self._feed(data)
         finally:
             self._receiving = False
@@ -240,8 +247,8 @@ class Channel:
         """Like :meth:`receive_batch`, but reads the stream at most once, at most ``max_bytes``,
         and never waits: [] when no complete message has arrived yet.
 
-        Not a checkpoint. Needs a stream with ``receive_nowait(max_bytes) -> bytes`` (the
-        socket streams); others raise ``trio.WouldBlock`` unless a result is held. Errors and
+        Not a checkpoint. Needs a :class:`~flodl.transports.base.NowaitStream`; over another
+        stream it raises ``trio.WouldBlock`` unless a result is held. Errors and
         their order as :meth:`receive_batch`; after a call that returned messages,
         :attr:`holds_result` says whether the next call answers without reading (a wire error
         found behind them): a caller waiting for readability must call again then.
@@ -257,15 +264,14 @@ class Channel:
                 return batch
         if self._peer_closed:
             raise ChannelClosed("the peer closed the channel")
-        receive_nowait = getattr(self._stream, "receive_nowait", None)
-        if receive_nowait is None:
+        stream = self._nowait
+        if stream is None:
             raise trio.WouldBlock
         try:
-            data = receive_nowait(max_bytes)
+            with _RECEIVING:
+                data = stream.receive_nowait(max_bytes)
         except trio.WouldBlock:
             return []
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
-            raise BrokenChannel(f"stream broke while receiving: {err!r}") from err
         self._feed(data)
         return self._decode()
 
@@ -338,6 +344,10 @@ def _name_of(message: Message | EncodedMessage) -> str:
     return type(plain).__name__
 
 
+def _cannot_send(messages: Sequence[Message | EncodedMessage]) -> str:
+    return "cannot send " + ", ".join(_name_of(m) for m in messages)
+
+
 async def _receive_exactly(
     stream: trio.abc.Stream,
     size: int,
@@ -349,10 +359,8 @@ async def _receive_exactly(
     # Reads never go past ``size``: the bytes after a hello belong to the channel.
     buffer = bytearray()
     while len(buffer) < size:
-        try:
+        with _HANDSHAKING:
             data = await stream.receive_some(size - len(buffer))
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
-            raise BrokenChannel(f"stream broke during the handshake: {err!r}") from err
         if not data:
             raise HandshakeError(
                 f"the peer closed the connection during the handshake "
@@ -365,10 +373,8 @@ async def _receive_exactly(
 
 
 async def _send_handshake(stream: trio.abc.Stream, data: bytes) -> None:
-    try:
+    with _HANDSHAKING:
         await stream.send_all(data)
-    except (trio.BrokenResourceError, trio.ClosedResourceError) as err:
-        raise BrokenChannel(f"stream broke during the handshake: {err!r}") from err
 
 
 async def connect_rank(
@@ -471,7 +477,5 @@ async def _refuse(
     """Tell the rank why it is refused; best effort (a broken stream must not hide ``reason``)."""
     detail = world_size if status == HelloStatus.WORLD_SIZE_MISMATCH else 0
     reply, _ = make_server_hello(key, client_nonce, status, detail)
-    try:
+    with contextlib.suppress(*STREAM_ERRORS):
         await stream.send_all(reply)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass

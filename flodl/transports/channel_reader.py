@@ -7,7 +7,9 @@ rank's frames arrive 100 ms apart, so no design with a task per connection wakes
 Here one task serves every channel that became readable since its last wake-up, each read
 once without waiting. What tells it which channels are readable is a :class:`Readiness`:
 a private epoll for sockets (:mod:`flodl.transports.socket_reader`), a hook on the stream
-for ``memory://`` (:mod:`flodl.transports.memory_reader`).
+for ``memory://`` (:mod:`flodl.transports.memory_reader`). Each kind of reader says which
+channels it serves (:meth:`ChannelReader.serves`); :func:`flodl.transports.readers.reader_for`
+picks the kind for a channel.
 
 A pass reads at most :data:`PASS_CHANNELS` channels, at most :data:`READ_BYTES` from each,
 and no further channel once it has handed over :data:`PASS_MESSAGES` messages; then it lets
@@ -19,7 +21,7 @@ can neither starve the others nor stall the event loop. The figures are in
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import attrs
 import trio
@@ -53,11 +55,14 @@ class Readiness(Protocol):
     reported, without anyone polling.
     """
 
+    def __init__(self) -> None: ...
+
     @property
     def closed(self) -> bool: ...
 
-    def can_watch(self, channel: Channel) -> bool:
-        """Whether ``channel``'s stream is of the kind this source watches."""
+    @staticmethod
+    def serves(channel: Channel) -> bool:
+        """Whether this kind of source can watch ``channel`` (its stream, on this platform)."""
         ...
 
     def watch(self, channel: Channel) -> Hashable:
@@ -95,6 +100,8 @@ class _Entry:
 class ChannelReader:
     """Reads every added channel from the one task that runs :meth:`run`.
 
+    A kind of reader is a subclass naming its :class:`Readiness` (``readiness_type``).
+
     For each channel the handlers are called from that task, never concurrently:
     ``on_messages`` with every batch of messages in the order they were sent (never empty),
     and ``on_end`` exactly once when the channel ends (clean end of stream, a wire error, a
@@ -104,16 +111,20 @@ class ChannelReader:
     :meth:`discard`).
     """
 
-    def __init__(self, readiness: Readiness) -> None:
-        self._readiness = readiness
+    readiness_type: ClassVar[type[Readiness]]
+    """The kind of readiness source this reader watches its channels with."""
+
+    def __init__(self) -> None:
+        self._readiness = self.readiness_type()
         self._entries: dict[Hashable, _Entry] = {}
         self._key_of: dict[Channel, Hashable] = {}
         self._backlog: list[Hashable] = []
         """Ready channels a capped pass did not read; read first by the next pass."""
 
-    def can_add(self, channel: Channel) -> bool:
-        """Whether ``channel`` runs over a stream this reader can watch."""
-        return self._readiness.can_watch(channel)
+    @classmethod
+    def serves(cls, channel: Channel) -> bool:
+        """Whether this kind of reader can read ``channel`` (its stream, on this platform)."""
+        return cls.readiness_type.serves(channel)
 
     @property
     def channels(self) -> int:

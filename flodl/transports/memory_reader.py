@@ -45,7 +45,7 @@ class MemoryReadiness:
         return self._closed
 
     @staticmethod
-    def can_watch(channel: Channel) -> bool:
+    def serves(channel: Channel) -> bool:
         return isinstance(channel.stream, MemoryStream)
 
     def watch(self, channel: Channel) -> Hashable:
@@ -144,10 +144,4 @@ class MemoryReadiness:
 class MemoryReader(ChannelReader):
     """A :class:`ChannelReader` for channels over ``memory://`` streams."""
 
-    def __init__(self) -> None:
-        super().__init__(MemoryReadiness())
-
-    @staticmethod
-    def can_read(channel: Channel) -> bool:
-        """Whether ``channel`` runs over a memory stream this reader can watch."""
-        return MemoryReadiness.can_watch(channel)
+    readiness_type = MemoryReadiness

@@ -4,14 +4,14 @@ A :class:`~flodl.transports.channel_reader.ChannelReader` whose readiness is a p
 level-triggered ``select.epoll`` in which every registered socket sits once, from
 registration to :meth:`~flodl.transports.channel_reader.ChannelReader.discard`: the epoll fd
 is readable while any socket is, so one trio wake-up serves every socket that became
-readable since the last. Measured in ``bench/coordinator_scale.py --mode split`` at 1,024
-ranks (11 messages per rank per second), a reader task per socket spent 49.6 us of CPU per
-message with a p99 latency of 51.5 ms; this reader brought it to 32.7 us and 18.1 ms (about
-21 messages per wake-up). The full figures are in ``docs/benchmarks.md`` ("Coordinator
-scale").
+readable since the last, where a reader task per socket pays a wake-up (and trio's re-arm of
+the fd) for about two messages. What that saves at 1,024 ranks is in ``docs/benchmarks.md``
+("Coordinator scale").
 
-Channels without a socket are not for this reader (:meth:`SocketReader.can_read` tells them
-apart); ``memory://`` channels have :class:`~flodl.transports.memory_reader.MemoryReader`.
+It serves channels over a socket on platforms with epoll (Linux); elsewhere, and for
+channels without a socket, :meth:`SocketReader.serves` says no and the channel is read by a
+task of its own. ``memory://`` channels have
+:class:`~flodl.transports.memory_reader.MemoryReader`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from flodl.transports.channel_reader import (
 from flodl.transports.socket_stream import SocketStream
 
 __all__ = [
+    "EPOLL_AVAILABLE",
     "PASS_CHANNELS",
     "PASS_MESSAGES",
     "READ_BYTES",
@@ -42,6 +43,10 @@ __all__ = [
     "MessagesHandler",
     "SocketReader",
 ]
+
+
+EPOLL_AVAILABLE = hasattr(select, "epoll")
+"""Whether this platform has epoll (Linux), which the socket reader needs."""
 
 
 class EpollReadiness:
@@ -55,8 +60,8 @@ class EpollReadiness:
         return self._epoll.closed
 
     @staticmethod
-    def can_watch(channel: Channel) -> bool:
-        return isinstance(channel.stream, SocketStream)
+    def serves(channel: Channel) -> bool:
+        return EPOLL_AVAILABLE and isinstance(channel.stream, SocketStream)
 
     def watch(self, channel: Channel) -> Hashable:
         stream = channel.stream
@@ -92,12 +97,6 @@ class EpollReadiness:
 
 
 class SocketReader(ChannelReader):
-    """A :class:`ChannelReader` for channels over sockets (tcp://, unix://)."""
+    """A :class:`ChannelReader` for channels over sockets (tcp://, unix://) where epoll is."""
 
-    def __init__(self) -> None:
-        super().__init__(EpollReadiness())
-
-    @staticmethod
-    def can_read(channel: Channel) -> bool:
-        """Whether ``channel`` runs over a socket this reader can watch."""
-        return EpollReadiness.can_watch(channel)
+    readiness_type = EpollReadiness

@@ -7,8 +7,9 @@ import socket
 
 import trio
 
-from flodl.errors import AddressInUse, TransportError, UnsupportedURL
+from flodl.errors import AddressInUse, UnsupportedURL
 from flodl.transports.base import ListenerBase
+from flodl.transports.errors import SOCKET_ERRORS, map_exceptions
 from flodl.transports.socket_stream import SocketStream, from_trio_stream
 from flodl.transports.url import ParsedURL, format_tcp_url
 
@@ -39,10 +40,8 @@ class TcpListener(ListenerBase):
 
     async def accept(self) -> SocketStream:
         """Next connection, with TCP_NODELAY set. Cancellation loses no pending connection."""
-        try:
+        with map_exceptions(SOCKET_ERRORS, f"accept failed on {self.url}"):
             stream = from_trio_stream(await self._inner.accept())
-        except OSError as exc:
-            raise TransportError(f"accept failed on {self.url}: {exc}") from exc
         _set_nodelay(stream)
         return stream
 
@@ -66,10 +65,8 @@ class TcpTransport:
         host, port = _host_port(address)
         if port == 0:
             raise UnsupportedURL(f"{address.url!r}: cannot connect to port 0")
-        try:
+        with map_exceptions(SOCKET_ERRORS, f"cannot connect to {address.url}"):
             stream = from_trio_stream(await trio.open_tcp_stream(host, port))
-        except OSError as exc:
-            raise TransportError(f"cannot connect to {address.url}: {exc}") from exc
         _set_nodelay(stream)
         return stream
 
@@ -81,12 +78,13 @@ class TcpTransport:
         AddressInUse.
         """
         host, port = _host_port(address)
-        try:
-            listeners = await trio.open_tcp_listeners(port, host=host)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise AddressInUse(f"cannot listen on {address.url}: address in use") from exc
-            raise TransportError(f"cannot listen on {address.url}: {exc}") from exc
+        with map_exceptions(SOCKET_ERRORS, f"cannot listen on {address.url}"):
+            try:
+                listeners = await trio.open_tcp_listeners(port, host=host)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise AddressInUse(f"cannot listen on {address.url}: address in use") from exc
+                raise
         first, *others = listeners
         for extra in others:
             extra.socket.close()

@@ -13,8 +13,9 @@ import stat
 
 import trio
 
-from flodl.errors import AddressInUse, TransportError, UnsupportedURL
+from flodl.errors import AddressInUse, UnsupportedURL
 from flodl.transports.base import ListenerBase
+from flodl.transports.errors import SOCKET_ERRORS, map_exceptions
 from flodl.transports.socket_stream import SocketStream, from_trio_stream
 from flodl.transports.url import ParsedURL
 
@@ -44,10 +45,8 @@ class UnixListener(ListenerBase):
 
     async def accept(self) -> SocketStream:
         """Next connection. Cancellation loses no pending connection."""
-        try:
+        with map_exceptions(SOCKET_ERRORS, f"accept failed on {self.url}"):
             return from_trio_stream(await self._inner.accept())
-        except OSError as exc:
-            raise TransportError(f"accept failed on {self.url}: {exc}") from exc
 
     async def aclose(self) -> None:
         """Close the socket, then remove the socket file if it is still ours (same inode).
@@ -75,10 +74,8 @@ class UnixTransport:
     async def connect(self, address: ParsedURL) -> SocketStream:
         """Connect to the socket file; no such file or nobody listening -> TransportError."""
         path = _socket_path(address)
-        try:
+        with map_exceptions(SOCKET_ERRORS, f"cannot connect to {address.url}"):
             return from_trio_stream(await trio.open_unix_socket(path))
-        except OSError as exc:
-            raise TransportError(f"cannot connect to {address.url}: {exc}") from exc
 
     async def open_listener(self, address: ParsedURL) -> UnixListener:
         """Bind the path with mode 0600 and listen.
@@ -91,27 +88,25 @@ class UnixTransport:
         processes started at the same moment.
         """
         path = _socket_path(address)
-        for _ in range(_BIND_ATTEMPTS):
-            sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-            try:
-                await sock.bind(path)
-            except OSError as exc:
-                sock.close()
-                if exc.errno != errno.EADDRINUSE:
-                    raise TransportError(f"cannot listen on {address.url}: {exc}") from exc
-                await _remove_if_stale(path, address.url)
-                continue
-            try:
-                os.chmod(path, SOCKET_MODE)
-                sock.listen(_BACKLOG)
-                listener = UnixListener(trio.SocketListener(sock), address.url, path)
-            except BaseException as exc:
-                sock.close()
-                _unlink_quietly(path)
-                if isinstance(exc, OSError):
-                    raise TransportError(f"cannot listen on {address.url}: {exc}") from exc
-                raise
-            return listener
+        with map_exceptions(SOCKET_ERRORS, f"cannot listen on {address.url}"):
+            for _ in range(_BIND_ATTEMPTS):
+                sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+                try:
+                    await sock.bind(path)
+                except OSError as exc:
+                    sock.close()
+                    if exc.errno != errno.EADDRINUSE:
+                        raise
+                    await _remove_if_stale(path, address.url)
+                    continue
+                try:
+                    os.chmod(path, SOCKET_MODE)
+                    sock.listen(_BACKLOG)
+                    return UnixListener(trio.SocketListener(sock), address.url, path)
+                except BaseException:
+                    sock.close()
+                    _unlink_quietly(path)
+                    raise
         raise AddressInUse(f"cannot listen on {address.url}: the socket file keeps reappearing")
 
 

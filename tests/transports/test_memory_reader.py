@@ -338,7 +338,7 @@ async def test_it_watches_only_memory_channels() -> None:
     reader = MemoryReader()
     left, _ = trio.testing.memory_stream_pair()
     other = Channel(left, send_key=b"x" * 32, receive_key=UP, receive_tags=TO_COORDINATOR_TAGS)
-    assert not MemoryReader.can_read(other) and not reader.can_add(other)
+    assert not MemoryReader.serves(other) and not reader.serves(other)
     with pytest.raises(ValueError, match="not a memory stream"):
         reader.add(other, *ReaderLog().handlers(0))
-    assert MemoryReader.can_read(far_end().channel)
+    assert MemoryReader.serves(far_end().channel)

@@ -283,11 +283,11 @@ async def test_it_refuses_channels_it_cannot_watch() -> None:
     reader = SocketReader()
     left, _ = memory_stream_pair()
     memory = coordinator_channel_over(left)
-    assert not SocketReader.can_read(memory)
+    assert not SocketReader.serves(memory)
     with pytest.raises(ValueError, match="no socket"):
         reader.add(memory, *ReaderLog().handlers(0))
     peer = socket_peer()
-    assert SocketReader.can_read(peer.channel)
+    assert SocketReader.serves(peer.channel)
     reader.add(peer.channel, *ReaderLog().handlers(0))
     with pytest.raises(ValueError, match="already watched"):
         reader.add(peer.channel, *ReaderLog().handlers(1))
