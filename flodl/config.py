@@ -76,7 +76,6 @@ class CoordinatorConfig:
     max_anchor: int = attrs.field(default=1000, validator=_at_least_one)
     overhead_target: float = attrs.field(default=0.05, validator=_positive)
     max_batch_diff: int | None = attrs.field(default=None, validator=_optional_non_negative_int)
-    max_overshoot: int = attrs.field(default=3, validator=_at_least_one)
     guard: GuardKind = attrs.field(default=GuardKind.TREND, converter=GuardKind)
     trend_threshold: float = attrs.field(default=0.05, validator=_positive)
     window_cap_epochs: float | None = attrs.field(default=1.0, validator=_optional_positive)

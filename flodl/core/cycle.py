@@ -45,9 +45,6 @@ from flodl.wire.messages import (
     Throttle,
 )
 
-DEFAULT_MAX_OVERSHOOT = 3
-"""Async: batches a rank may run past its planned count before dispatch stops."""
-
 REDUCE_STALL_FLOOR_S = 300.0
 """The reduce-stall ceiling is never shorter than this (seconds)."""
 
@@ -107,7 +104,6 @@ class Cycle:
         reduce_stall_ceiling: float | None = None,
         heartbeat_timeout: float = 10.0,
         max_batch_diff: int | None = None,
-        max_overshoot: int = DEFAULT_MAX_OVERSHOOT,
         global_step: int = 0,
         round: int = 0,
     ) -> None:
@@ -123,15 +119,12 @@ class Cycle:
             )
         if max_batch_diff is not None and max_batch_diff < 0:
             raise ConfigError(f"cycle: max_batch_diff must be >= 0, got {max_batch_diff}")
-        if max_overshoot < 0:
-            raise ConfigError(f"cycle: max_overshoot must be >= 0, got {max_overshoot}")
         if global_step < 0 or round < 0:
             raise ConfigError("cycle: global_step and round must be >= 0")
         self._world_size = world_size
         self._policy = policy
         self._ceiling = float(reduce_stall_ceiling)
         self._max_batch_diff = max_batch_diff
-        self._max_overshoot = max_overshoot
         self._members: set[int] = set(range(world_size) if members is None else members)
         for rank in self._members:
             self._check_rank(rank)
@@ -403,17 +396,6 @@ class Cycle:
                 self._throttled.add(rank)
                 effects.append(Send(rank, Throttle()))
         return effects
-
-    def may_dispatch(self, rank: int, planned: int) -> bool:
-        """Overshoot gate: under ASYNC, no more work for a rank at ``planned + max_overshoot``.
-
-        ``planned`` is the rank's planned batch count for this window. Always True under
-        SYNC and CADENCE.
-        """
-        self._check_rank(rank)
-        if self._policy is not Policy.ASYNC:
-            return True
-        return self._steps[rank] < planned + self._max_overshoot
 
     # --- membership -----------------------------------------------------------------------
 

@@ -29,13 +29,13 @@ from typing import Any
 import attrs
 
 from flodl.config import CoordinatorConfig
-from flodl.core.job import Job
 from flodl.core.cycle import Cycle, Policy
 from flodl.core.effects import Broadcast, Send
 from flodl.core.elche import ElChe, RankWindow, elche_for_world
 from flodl.core.epochs import EpochTallies
 from flodl.core.fill import IdleFill
 from flodl.core.guards import Guard, make_guard
+from flodl.core.job import Job
 from flodl.core.liveness import Liveness, LossCause, RankLost, unrecoverable_reason
 from flodl.core.partitions import ChunkPool
 from flodl.core.rendezvous import Rendezvous
@@ -173,7 +173,6 @@ class CoordinatorMachine:
             reduce_stall_ceiling=config.stall_ceiling,
             heartbeat_timeout=config.heartbeat_timeout,
             max_batch_diff=config.max_batch_diff,
-            max_overshoot=config.max_overshoot,
         )
         self.liveness = Liveness(world_size, heartbeat_timeout=config.heartbeat_timeout, now=now)
         self.rendezvous = Rendezvous(

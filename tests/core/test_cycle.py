@@ -71,8 +71,6 @@ def test_bad_settings_are_refused() -> None:
         Cycle(2, Policy.SYNC, reduce_stall_ceiling=0.0)
     with pytest.raises(ConfigError):
         Cycle(2, Policy.SYNC, max_batch_diff=-1)
-    with pytest.raises(ConfigError):
-        Cycle(2, Policy.ASYNC, max_overshoot=-1)
 
 
 # --- the trigger ----------------------------------------------------------------------------
@@ -337,7 +335,7 @@ def test_stall_clock_restarts_with_each_round() -> None:
     assert len(cycle.check_stall(25.0)) == 1
 
 
-# --- throttle and overshoot ---------------------------------------------------------------
+# --- throttle -------------------------------------------------------------------------------
 
 
 def test_throttle_once_per_round_for_ranks_too_far_ahead() -> None:
@@ -381,24 +379,6 @@ def test_throttled_rank_does_not_block_the_cadence_trigger() -> None:
     assert not cycle.ready(counts)
     run_batches(cycle, 1, 2)
     assert cycle.ready(counts)  # rank 0 is parked until the round
-
-
-def test_async_overshoot_gate() -> None:
-    cycle = Cycle(1, Policy.ASYNC)  # max_overshoot 3
-    run_batches(cycle, 0, 6)
-    assert cycle.may_dispatch(0, planned=4)  # 6 < 4 + 3
-    run_batches(cycle, 0, 1)
-    assert not cycle.may_dispatch(0, planned=4)  # 7 >= 7
-    custom = Cycle(1, Policy.ASYNC, max_overshoot=0)
-    run_batches(custom, 0, 4)
-    assert not custom.may_dispatch(0, planned=4)
-
-
-@pytest.mark.parametrize("policy", [Policy.SYNC, Policy.CADENCE])
-def test_overshoot_gate_only_applies_to_async(policy: Policy) -> None:
-    cycle = Cycle(1, policy)
-    run_batches(cycle, 0, 100)
-    assert cycle.may_dispatch(0, planned=1)
 
 
 # --- abandoned rounds, membership ---------------------------------------------------------
