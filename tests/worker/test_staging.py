@@ -86,10 +86,10 @@ async def test_a_message_that_needs_a_boundary_stops_the_next_batch_being_taken(
                 await worker.batch_done(0.4)
                 coordinator.mark.set()
                 peer = await coordinator.connection()
-                while not worker._inbox:  # the Checkpoint has arrived and waits
+                while not worker.machine.queued:  # the Checkpoint has arrived and waits
                     await trio.sleep(0.01)
                 assert worker.take_staged() is None  # it needs a boundary first
                 third = await worker.next_batch()  # saves, then hands the reserved batch out
                 assert third is not None and third.start == 2 * BATCH
                 await peer.expect(CheckpointResult)
-    assert worker.batches == 2
+    assert worker.machine.batches == 2

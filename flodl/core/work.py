@@ -1,10 +1,10 @@
-"""Turning the coordinator's work spans into batches of dataset indices (pure, no I/O).
+"""A rank's work: the coordinator's spans of the epoch order, handed out as batches (pure).
 
 ``StartEpoch`` and ``ExtendPartition`` hand a rank spans ``[offset, offset + size)`` of
 *positions* in the epoch order ``epoch_order(seed, epoch, dataset_size)``. A rank works
 through its spans in the order received, in batches of ``batch_size`` positions; only the
 last batch of a span may be shorter, and no batch spans two spans. The samples of a batch
-are the dataset indices ``order[p]`` for its positions.
+are the dataset indices ``order[p]`` for its positions (:class:`EpochOrders`).
 """
 
 from __future__ import annotations
@@ -13,25 +13,21 @@ from collections import deque
 
 import attrs
 
-from flodl.core.partitions import epoch_order
+from flodl.core.partitions import Span, epoch_order
 from flodl.errors import ConfigError, ProtocolError
 from flodl.wire.messages import ExtendPartition, StartEpoch
 
+__all__ = ["BatchSlice", "EpochOrders", "WorkQueue", "work_span"]
 
-@attrs.frozen
-class Span:
-    """Positions ``[offset, offset + size)`` of epoch ``epoch``'s order."""
 
-    epoch: int
-    offset: int
-    size: int
+def work_span(message: StartEpoch | ExtendPartition) -> tuple[int, Span]:
+    """The epoch and the span of its order that a work message hands out.
 
-    @staticmethod
-    def of(message: StartEpoch | ExtendPartition) -> Span:
-        """The span a work message hands out."""
-        if isinstance(message, StartEpoch):
-            return Span(message.epoch, message.partition_offset, message.partition_size)
-        return Span(message.epoch, message.offset, message.size)
+    The one place that knows the two messages name their span's fields differently.
+    """
+    if isinstance(message, StartEpoch):
+        return message.epoch, Span(message.partition_offset, message.partition_size)
+    return message.epoch, Span(message.offset, message.size)
 
 
 @attrs.frozen
@@ -55,17 +51,20 @@ class WorkQueue:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size
         self.dataset_size = dataset_size
-        self._spans: deque[Span] = deque()
+        self._spans: deque[tuple[int, Span]] = deque()
         self._cursor = 0  # positions of the head span already handed out
 
-    def add(self, span: Span) -> None:
-        """Queue ``span`` after the others; ProtocolError if it leaves the epoch order."""
-        if span.offset + span.size > self.dataset_size:
+    def add(self, message: StartEpoch | ExtendPartition) -> None:
+        """Queue the message's span after the others; ProtocolError if it leaves the epoch
+        order (nothing is queued then)."""
+        epoch, span = work_span(message)
+        if span.offset < 0 or span.size < 0 or span.end > self.dataset_size:
             raise ProtocolError(
-                f"work span {span} goes past the dataset ({self.dataset_size} samples)"
+                f"work span {span} of epoch {epoch} goes past the dataset "
+                f"({self.dataset_size} samples)"
             )
         if span.size > 0:
-            self._spans.append(span)
+            self._spans.append((epoch, span))
 
     @property
     def empty(self) -> bool:
@@ -74,25 +73,25 @@ class WorkQueue:
     @property
     def head_epoch(self) -> int | None:
         """The epoch of the next batch, or None when nothing is queued."""
-        return self._spans[0].epoch if self._spans else None
+        return self._spans[0][0] if self._spans else None
 
     @property
     def queued_samples(self) -> int:
         """Positions queued and not yet handed out."""
-        return sum(s.size for s in self._spans) - self._cursor
+        return sum(span.size for _, span in self._spans) - self._cursor
 
     def next_batch(self) -> BatchSlice | None:
         """The next batch, or None when nothing is queued."""
         if not self._spans:
             return None
-        span = self._spans[0]
+        epoch, span = self._spans[0]
         start = span.offset + self._cursor
-        stop = min(start + self.batch_size, span.offset + span.size)
+        stop = min(start + self.batch_size, span.end)
         self._cursor += stop - start
         if self._cursor >= span.size:
             self._spans.popleft()
             self._cursor = 0
-        return BatchSlice(span.epoch, start, stop)
+        return BatchSlice(epoch, start, stop)
 
 
 class EpochOrders:

@@ -1,13 +1,13 @@
-"""Work spans to batches: order, span boundaries, indices from the shared epoch order."""
+"""A rank's work spans to batches: order, span boundaries, indices from the shared epoch order."""
 
 from __future__ import annotations
 
 import pytest
 
 from flodl.core.partitions import epoch_order
+from flodl.core.work import BatchSlice, EpochOrders, WorkQueue
 from flodl.errors import ConfigError, ProtocolError
 from flodl.wire.messages import ExtendPartition, StartEpoch
-from flodl.worker.spans import BatchSlice, EpochOrders, Span, WorkQueue
 
 
 def drain(queue: WorkQueue) -> list[BatchSlice]:
@@ -19,9 +19,9 @@ def drain(queue: WorkQueue) -> list[BatchSlice]:
 
 def test_spans_are_cut_into_batches_in_arrival_order_and_never_merged() -> None:
     queue = WorkQueue(batch_size=8, dataset_size=100)
-    queue.add(Span.of(StartEpoch(epoch=0, partition_offset=10, partition_size=25)))
-    queue.add(Span.of(ExtendPartition(epoch=0, offset=40, size=8)))
-    queue.add(Span.of(ExtendPartition(epoch=0, offset=2, size=3)))
+    queue.add(StartEpoch(epoch=0, partition_offset=10, partition_size=25))
+    queue.add(ExtendPartition(epoch=0, offset=40, size=8))
+    queue.add(ExtendPartition(epoch=0, offset=2, size=3))
     assert queue.queued_samples == 36
     assert drain(queue) == [
         BatchSlice(0, 10, 18),
@@ -36,18 +36,18 @@ def test_spans_are_cut_into_batches_in_arrival_order_and_never_merged() -> None:
 
 def test_a_span_added_mid_way_is_worked_after_the_current_one() -> None:
     queue = WorkQueue(batch_size=4, dataset_size=50)
-    queue.add(Span(1, 0, 6))
+    queue.add(ExtendPartition(epoch=1, offset=0, size=6))
     assert queue.next_batch() == BatchSlice(1, 0, 4)
-    queue.add(Span(1, 30, 4))
+    queue.add(ExtendPartition(epoch=1, offset=30, size=4))
     assert drain(queue) == [BatchSlice(1, 4, 6), BatchSlice(1, 30, 34)]
 
 
 def test_empty_spans_are_ignored_and_spans_past_the_dataset_refused() -> None:
     queue = WorkQueue(batch_size=4, dataset_size=50)
-    queue.add(Span(0, 10, 0))
+    queue.add(ExtendPartition(epoch=0, offset=10, size=0))
     assert queue.empty and queue.next_batch() is None
     with pytest.raises(ProtocolError, match="past the dataset"):
-        queue.add(Span(0, 48, 3))
+        queue.add(ExtendPartition(epoch=0, offset=48, size=3))
     with pytest.raises(ConfigError):
         WorkQueue(batch_size=0, dataset_size=50)
 
@@ -68,6 +68,6 @@ def test_one_epoch_split_over_spans_covers_every_sample_once() -> None:
     queue = WorkQueue(batch_size=5, dataset_size=23)
     orders = EpochOrders(seed=0, dataset_size=23)
     for offset, size in [(0, 7), (7, 9), (16, 7)]:
-        queue.add(Span(3, offset, size))
+        queue.add(ExtendPartition(epoch=3, offset=offset, size=size))
     seen = [i for batch in drain(queue) for i in orders.indices(batch)]
     assert sorted(seen) == list(range(23))

@@ -1,0 +1,585 @@
+"""The rank's side of the protocol: one pure state machine driven by events and time.
+
+:class:`RankMachine` is what a rank decides, with no trio, torch or sockets: the shell
+(:mod:`flodl.worker.runtime`, :class:`flodl.testing.ScriptedRank`, the benchmark's simulated
+ranks) feeds it events with the current time and performs the effects it returns
+(:mod:`flodl.core.rank_effects`). The lifecycle is one :class:`~flodl.core.rank_state.RankState`
+moved only through its table.
+
+Events: the job is announced (:meth:`announce`); a message arrived (:meth:`receive`); the
+training loop asks for its next batch (:meth:`boundary`, between :meth:`enter_boundary` and
+:meth:`leave_boundary`), takes a batch reserved ahead (:meth:`take_reserved`) or finished one
+(:meth:`batch_done`); a round, a blend or a save finished; the connection ended
+(:meth:`connection_lost`).
+
+The work protocol (what :mod:`flodl.core.machine` relies on):
+
+* messages that do not touch the parameters take effect at once (Throttle, SetGlobalStep,
+  DeclareDead, group set-up, Shutdown); work, SyncNow and Checkpoint queue in arrival order for
+  the next *batch boundary*, where the training loop is waiting. Work that arrives with
+  nothing queued before it is queued at once (it needs no boundary);
+* one ``Batch`` per finished batch; ``step_count`` counts batches and finished averages;
+* when the work runs dry (or the epoch changes), one ``Metrics`` for the chunk just finished
+  (its completion frame, with the chunk's wall time and the idle time within it);
+* ``SyncAck`` after each average; ``Note`` then ``Exiting`` when the run ends for this rank.
+
+Parameters are read or written only at a boundary, so a step and an average never overlap.
+Under the Async policy the boundary only starts a background round on a snapshot; its result
+is blended in at a later boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Protocol
+
+import attrs
+
+from flodl.core.cycle import Policy
+from flodl.core.job import Job
+from flodl.core.rank_effects import (
+    Average,
+    Blend,
+    CancelRound,
+    DoomGroup,
+    Finish,
+    GiveUp,
+    HandOut,
+    Ignored,
+    JoinGroup,
+    PrepareGroup,
+    Raise,
+    RankEffect,
+    Reaction,
+    SaveAndStop,
+    SaveCheckpoint,
+    Send,
+    Wait,
+    Wake,
+)
+from flodl.core.rank_state import ENDING_STATES, TERMINAL, Move, RankState, next_state
+from flodl.core.work import BatchSlice, WorkQueue
+from flodl.errors import ConfigError, FlodlError, OutOfTurn, ShutdownRequested, UnexpectedMessage
+from flodl.wire.messages import (
+    Batch,
+    Checkpoint,
+    CheckpointResult,
+    CoordHeartbeat,
+    DeclareDead,
+    EpochAggregated,
+    Exiting,
+    ExtendPartition,
+    Heartbeat,
+    Message,
+    Metrics,
+    NewGroupSession,
+    Note,
+    Ready,
+    RequestNewGroup,
+    SaveConsensusModel,
+    SaveReason,
+    SetGlobalStep,
+    Shutdown,
+    ShutdownWithSave,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    Throttle,
+)
+
+__all__ = ["RankMachine", "RoundFigures"]
+
+_NEEDS_JOB = (StartEpoch, ExtendPartition, SyncNow, Checkpoint, SaveConsensusModel)
+"""Messages that only make sense once the job is announced."""
+
+
+class RoundFigures(Protocol):
+    """What a finished average reports (the backend's result has these attributes)."""
+
+    @property
+    def divergence(self) -> float: ...
+    @property
+    def post_norm(self) -> float: ...
+    @property
+    def pre_norm(self) -> float: ...
+
+
+@attrs.define
+class _Chunk:
+    """The run of batches since the work last ran dry (reported by one Metrics)."""
+
+    epoch: int
+    started_at: float
+    batches: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    losses: int = 0
+    idle_s: float = 0.0
+
+
+@attrs.define
+class _Background:
+    """An Async round reducing a snapshot of ``batches`` batches."""
+
+    sync: SyncNow
+    batches: int
+    landed: bool = False
+
+
+class RankMachine:
+    """One rank's protocol state. Every method is synchronous and returns at once."""
+
+    def __init__(self, rank: int, world_size: int, policy: Policy, now: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.policy = policy
+        self.state = RankState.JOINED
+        self.job: Job | None = None
+        self.step_count = 0
+        """Batches finished plus averages finished (what Batch/SyncAck/Heartbeat carry)."""
+        self.batches = 0
+        self.syncs = 0
+        self.global_step = 0
+        """The run's global step as last set by the coordinator (SetGlobalStep)."""
+        self.since_average = 0
+        """Batches run since the last average this rank took part in."""
+        self.epoch = 0
+        """The epoch of the batch handed out last."""
+        self.idle_s = 0.0
+        """Seconds lost at batch boundaries while training (waiting for work or for a round
+        to start, throttled); averaging is counted apart, in ``averaging_s``."""
+        self.averaging_s = 0.0
+        """Seconds spent averaging (SyncNow to SyncAck; Async: blending a landed round in)."""
+        self.startup_s = 0.0
+        """From the start to the first batch (group formation, waiting for peers)."""
+        self.last_epoch: EpochAggregated | None = None
+        self.exit_reason: str | None = None
+        self.error: FlodlError | None = None
+        """Why the rank is LOST or STOPPED: what every later boundary raises."""
+        self.current: BatchSlice | None = None
+        """The batch handed out and not reported done."""
+        self.reserved: BatchSlice | None = None
+        """The batch reserved ahead for a training thread (see :meth:`reserve`)."""
+        self.throttled = False
+        self._queue: WorkQueue | None = None
+        self._inbox: deque[Message] = deque()
+        self._chunk: _Chunk | None = None
+        self._background: _Background | None = None
+        self._handed_out_at = now
+        self._entered_at: float | None = None
+        self._averaging_at_entry = 0.0
+        self._handed_out_any = False
+        self._save_reason: SaveReason | None = None
+
+    # --- the lifecycle -----------------------------------------------------------------------
+
+    def _move(self, move: Move) -> None:
+        self.state = next_state(self.state, move)
+
+    @property
+    def ending(self) -> bool:
+        """Shutdown or ShutdownWithSave arrived (or was carried out)."""
+        return self.state in ENDING_STATES or self.state in (RankState.EXITED, RankState.STOPPED)
+
+    @property
+    def done(self) -> bool:
+        """In a terminal state: nothing more will be sent or trained."""
+        return self.state in TERMINAL
+
+    @property
+    def takes_rounds(self) -> bool:
+        """A round may still start (not ending, not lost): worth waiting for a group."""
+        return self.state is RankState.TRAINING
+
+    @property
+    def queued(self) -> int:
+        """Messages waiting for the next batch boundary."""
+        return len(self._inbox)
+
+    def raise_if_lost(self) -> None:
+        if self.state is RankState.LOST:
+            assert self.error is not None
+            raise self.error
+
+    def announce(self, job: Job) -> list[RankEffect]:
+        """The training loop describes its job: ``Ready``. ConfigError for a job that cannot
+        run or differs from the one announced before; an identical second call does nothing."""
+        if self.job is not None:
+            if job != self.job:
+                raise ConfigError(f"this rank already announced {self.job}, not {job}")
+            return []
+        job.check()
+        self.raise_if_lost()
+        self.job = job
+        self._queue = WorkQueue(job.batch_size, job.dataset_size)
+        if self.state is not RankState.JOINED:
+            return []  # the run ended before the job was described: nothing to announce
+        self._move(Move.ANNOUNCE)
+        ready = Ready(
+            rank=self.rank,
+            dataset_size=job.dataset_size,
+            batch_size=job.batch_size,
+            epochs=job.epochs,
+        )
+        return [Send(ready)]
+
+    def connection_lost(self, error: FlodlError) -> list[Reaction]:
+        """The coordinator fell silent or the connection broke. Once ending this changes
+        nothing (the rank is leaving anyway)."""
+        if self.state not in (RankState.JOINED, RankState.TRAINING):
+            return []
+        self._move(Move.LOSE)
+        self.error = error
+        self.exit_reason = f"coordinator_lost: {error}"
+        return [GiveUp(error), CancelRound(), Wake()]
+
+    def note_exit(self, reason: str) -> None:
+        """Why the training script left, unless the protocol already said why."""
+        if self.exit_reason is None:
+            self.exit_reason = reason
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(rank=self.rank, step_count=self.step_count)
+
+    # --- messages ----------------------------------------------------------------------------
+
+    def receive(self, message: Message) -> list[Reaction]:
+        """Act on one message from the coordinator; what must wait for a boundary is queued.
+
+        UnexpectedMessage for work, SyncNow or Checkpoint before the job was announced.
+        Once the rank is ending or done, messages are dropped (the run is over for it).
+        """
+        if self.state is RankState.JOINED and isinstance(message, _NEEDS_JOB):
+            raise UnexpectedMessage(
+                f"rank {self.rank}: {type(message).__name__} before the job was announced"
+            )
+        if self.done:
+            return []
+        if isinstance(message, CoordHeartbeat):
+            return []
+        if isinstance(message, EpochAggregated):
+            self.last_epoch = message
+            return []
+        if isinstance(message, Shutdown | ShutdownWithSave):
+            return self._on_shutdown(message)
+        if isinstance(message, DeclareDead):
+            return [DoomGroup(message.rank), CancelRound(), Wake()]
+        if isinstance(message, RequestNewGroup):
+            return [PrepareGroup(message), Wake()]
+        if isinstance(message, NewGroupSession):
+            return [JoinGroup(message), Wake()]
+        if self.ending:
+            return []  # work, rounds and throttles no longer matter
+        return self._on_training_message(message)
+
+    def _on_training_message(self, message: Message) -> list[Reaction]:
+        if isinstance(message, StartEpoch | ExtendPartition):
+            if not self._inbox and self._queue_now(message):
+                return [Wake(boundary=False)]
+            self._inbox.append(message)
+        elif isinstance(message, SyncNow):
+            self.throttled = False
+            self._inbox.append(message)
+        elif isinstance(message, Checkpoint):
+            self._inbox.append(message)
+        elif isinstance(message, SaveConsensusModel):
+            return [Ignored(message, "SaveConsensusModel is not supported")]
+        elif isinstance(message, SetGlobalStep):
+            self.global_step = message.global_step
+            if not self.throttled:
+                return []  # nothing for a boundary to do
+            self.throttled = False
+        elif isinstance(message, Throttle):
+            self.throttled = True
+        else:
+            return [Ignored(message, "not a message for a rank")]
+        return [Wake()]
+
+    def _queue_now(self, message: StartEpoch | ExtendPartition) -> bool:
+        """Queue work without a boundary; False when it is bad (the boundary raises it)."""
+        assert self._queue is not None
+        try:
+            self._queue.add(message)
+        except FlodlError:
+            return False
+        return True
+
+    def _on_shutdown(self, message: Shutdown | ShutdownWithSave) -> list[Reaction]:
+        if self.ending:
+            return []
+        if isinstance(message, ShutdownWithSave):
+            self._move(Move.SHUTDOWN_WITH_SAVE)
+            self._save_reason = message.reason
+        else:
+            self._move(Move.SHUTDOWN)
+        self.throttled = False
+        return [CancelRound(), Wake()]
+
+    # --- the batch boundary ------------------------------------------------------------------
+
+    def enter_boundary(self, now: float) -> None:
+        """The training loop waits for its next batch from ``now`` (see :meth:`boundary`)."""
+        if self.job is None:
+            raise OutOfTurn("announce the job (dataset_size, batch_size, epochs) first")
+        self._entered_at = now
+        self._averaging_at_entry = self.averaging_s
+
+    def leave_boundary(self, now: float) -> None:
+        """The wait ended (a batch, the end, an error or cancellation): count the time lost
+        in it, averaging excluded. Idempotent."""
+        entered, self._entered_at = self._entered_at, None
+        if entered is None:
+            return
+        waited = now - entered - (self.averaging_s - self._averaging_at_entry)
+        if not self._handed_out_any:
+            self.startup_s += waited
+        else:
+            self.idle_s += waited
+            chunk = self._chunk
+            if chunk is not None and entered >= chunk.started_at:
+                chunk.idle_s += waited
+        if self.current is not None:
+            self._handed_out_any = True
+
+    def boundary(self, now: float) -> list[RankEffect]:
+        """The next thing to do at the boundary: reactions, then one step (see
+        :mod:`flodl.core.rank_effects`). After a step that takes time, report its end, then
+        call again; after :class:`Wait`, call again once something changed."""
+        if self._entered_at is None:
+            raise OutOfTurn("boundary() outside enter_boundary() / leave_boundary()")
+        state = self.state
+        if state is RankState.LOST or state is RankState.STOPPED:
+            assert self.error is not None
+            return [Raise(self.error)]
+        if state is RankState.EXITED:
+            return [Finish()]
+        if state is RankState.ENDING:
+            goodbye = self._goodbye(Move.GOODBYE, "shut down by the coordinator", "completed")
+            return [*goodbye, Finish()]
+        if state is RankState.SAVE_PENDING:
+            assert self._save_reason is not None
+            self._move(Move.START_SAVE)
+            return [CancelRound(), SaveAndStop(self._save_reason.name)]
+        if state is RankState.SAVING:
+            raise OutOfTurn("boundary() while the bundle is being saved")
+        step = self._next_queued()
+        if step is not None:
+            return [step]
+        if self._background is not None and self._background.landed:
+            return [Blend(self._background.sync)]
+        return self._work_step(now)
+
+    def _next_queued(self) -> Average | SaveCheckpoint | None:
+        """Carry out the inbox in order up to the first message that needs a step."""
+        assert self._queue is not None
+        while self._inbox:
+            message = self._inbox.popleft()
+            if isinstance(message, StartEpoch | ExtendPartition):
+                self._queue.add(message)  # ProtocolError for bad work reaches the loop
+            elif isinstance(message, SyncNow):
+                return Average(message, background=self.policy is Policy.ASYNC)
+            elif isinstance(message, Checkpoint):
+                if message.target_rank == self.rank:
+                    return SaveCheckpoint(message)
+        return None
+
+    def _work_step(self, now: float) -> list[RankEffect]:
+        queue = self._queue
+        assert queue is not None
+        effects: list[RankEffect] = []
+        if not self.throttled:
+            reserved = self.reserved
+            if reserved is not None:  # reserved earlier: it comes first
+                self.reserved = None
+                return [self._hand_out(reserved, now, reserved=True)]
+            batch = queue.next_batch()
+            if batch is not None:
+                if self._chunk is not None and self._chunk.epoch != batch.epoch:
+                    effects += self._close_chunk(now)  # tallies are per epoch
+                return [*effects, self._hand_out(batch, now)]
+        if queue.empty and self._chunk is not None and self.reserved is None:
+            effects += self._close_chunk(now)  # at the barrier: the completion frame
+        return [*effects, Wait()]
+
+    def _hand_out(self, batch: BatchSlice, now: float, reserved: bool = False) -> HandOut:
+        if self._chunk is None:
+            self._chunk = _Chunk(epoch=batch.epoch, started_at=now)
+        self.epoch = batch.epoch
+        self.current = batch
+        self._handed_out_at = now
+        return HandOut(batch, reserved)
+
+    def _close_chunk(self, now: float) -> list[RankEffect]:
+        chunk, self._chunk = self._chunk, None
+        if chunk is None:
+            return []
+        avg = chunk.loss_sum / chunk.losses if chunk.losses else math.nan
+        metrics = Metrics(
+            rank=self.rank,
+            epoch=chunk.epoch,
+            avg_loss=avg,
+            batches_processed=chunk.batches,
+            samples_processed=chunk.samples,
+            epoch_ms=max(now - chunk.started_at, 0.0) * 1000.0,
+            scalars=(("idle_ms", chunk.idle_s * 1000.0),),
+        )
+        return [Send(metrics)]
+
+    def _goodbye(self, move: Move, why: str, exit_reason: str) -> list[RankEffect]:
+        self._move(move)
+        self.note_exit(exit_reason)
+        return [Send(Note(rank=self.rank, detail=why)), Send(Exiting(rank=self.rank))]
+
+    # --- batches -------------------------------------------------------------------------
+
+    def reserve(self) -> BatchSlice | None:
+        """Reserve the batch after the current one for a training thread to take without a
+        boundary, when nothing needs one first: no message queued, not throttled, not ending,
+        no landed round, and the batch continues the current chunk (same epoch). None: no
+        batch can be reserved now."""
+        queue, chunk, background = self._queue, self._chunk, self._background
+        if (
+            queue is None
+            or chunk is None
+            or self.reserved is not None
+            or self.state is not RankState.TRAINING
+            or self._inbox
+            or self.throttled
+            or (background is not None and background.landed)
+            or queue.head_epoch != chunk.epoch
+        ):
+            return None
+        self.reserved = queue.next_batch()
+        return self.reserved
+
+    def take_reserved(self, now: float) -> list[RankEffect]:
+        """The training thread took the reserved batch: it is the current one now (a
+        current batch not reported done is reported with a NaN loss first)."""
+        batch = self.reserved
+        if batch is None:
+            raise OutOfTurn("take_reserved() with no batch reserved")
+        effects = self.batch_done(math.nan, 0.0, now) if self.current is not None else []
+        self.reserved = None
+        self.current = batch
+        self._handed_out_at = now
+        self.epoch = batch.epoch
+        return effects
+
+    def batch_done(self, loss: float, data_ms: float, now: float) -> list[RankEffect]:
+        """The current batch finished with ``loss``: ``Batch`` (OutOfTurn if none is out)."""
+        current = self.current
+        if current is None:
+            raise OutOfTurn("batch_done() without a batch handed out by next_batch()")
+        self.current = None
+        self.batches += 1
+        self.step_count += 1
+        self.since_average += 1
+        chunk = self._chunk
+        if chunk is not None:
+            chunk.batches += 1
+            chunk.samples += current.size
+            if math.isfinite(loss):
+                chunk.loss_sum += loss
+                chunk.losses += 1
+        report = Batch(
+            rank=self.rank,
+            batch_ms=max(now - self._handed_out_at, 0.0) * 1000.0,
+            data_ms=max(float(data_ms), 0.0),
+            step_count=self.step_count,
+            batch_loss=float(loss),
+        )
+        return [Send(report)]
+
+    # --- averaging ---------------------------------------------------------------------------
+
+    def round_weight(self, sync: SyncNow, group_rank: int) -> int:
+        """The weight (batches since the last average) this rank brings to ``sync``.
+
+        The run's first round comes before any batch: group rank 0 alone carries weight, so
+        every rank starts from its parameters (a broadcast through the weighted mean).
+        """
+        if sync.generation == 0 and self.syncs == 0 and self.batches == 0:
+            return 1 if group_rank == 0 else 0
+        return self.since_average
+
+    def average_finished(
+        self, sync: SyncNow, figures: RoundFigures | None, elapsed_s: float
+    ) -> list[RankEffect]:
+        """A collective for ``sync`` ended after ``elapsed_s``: with its figures, SyncAck;
+        None (failed or abandoned): no ack, the coordinator re-forms and redoes the round."""
+        self.averaging_s += elapsed_s
+        if figures is None:
+            return []
+        self.since_average = 0
+        return self._acknowledge(sync, figures)
+
+    def background_started(self, sync: SyncNow, batches: int) -> None:
+        """Async: a background round for ``sync`` reduces ``batches`` batches."""
+        if self._background is not None and not self._background.landed:
+            raise OutOfTurn("a background round is already in flight")
+        self.since_average = 0
+        self._background = _Background(sync, batches)
+
+    def background_landed(self) -> list[Reaction]:
+        """Async: the background round's collective ended (its result waits to be blended)."""
+        if self._background is None:
+            return []
+        self._background.landed = True
+        return [Wake()]
+
+    def blend_finished(self, figures: RoundFigures | None, elapsed_s: float) -> list[RankEffect]:
+        """Async: the landed round was blended in (figures) or did not land (None: its
+        batches count as never averaged)."""
+        round_ = self._background
+        if round_ is None or not round_.landed:
+            raise OutOfTurn("blend_finished() with no landed background round")
+        self._background = None
+        self.averaging_s += elapsed_s
+        if figures is None:
+            self.since_average += round_.batches
+            return []
+        return self._acknowledge(round_.sync, figures)
+
+    def _acknowledge(self, sync: SyncNow, figures: RoundFigures) -> list[RankEffect]:
+        self.step_count += 1
+        self.syncs += 1
+        ack = SyncAck(
+            rank=self.rank,
+            round=sync.round,
+            step_count=self.step_count,
+            divergence=_finite(figures.divergence),
+            post_norm=_finite(figures.post_norm),
+            pre_norm=_finite(figures.pre_norm),
+        )
+        return [Send(ack)]
+
+    # --- saving ------------------------------------------------------------------------------
+
+    def checkpoint_finished(
+        self, request: Checkpoint, elapsed_ms: float, error: str | None
+    ) -> list[RankEffect]:
+        """A Checkpoint's bundle was saved (or not: ``error``): CheckpointResult."""
+        result = CheckpointResult(
+            rank=self.rank, version=request.version, elapsed_ms=elapsed_ms, error=error
+        )
+        return [Send(result)]
+
+    def save_finished(self, outcome: str) -> list[RankEffect]:
+        """The bundle for ShutdownWithSave was written (``outcome`` says where, or why not):
+        goodbye; the next boundary raises ShutdownRequested to the loop."""
+        reason = self._save_reason
+        if reason is None or self.state is not RankState.SAVING:
+            raise OutOfTurn(f"save_finished() in state {self.state.value}")
+        self.error = ShutdownRequested(
+            f"coordinator asked to save and stop: {reason.name} ({outcome})", reason
+        )
+        return self._goodbye(
+            Move.SAVE_FINISHED,
+            f"saving and stopping: {reason.name}",
+            f"shutdown_with_save:{reason.name}",
+        )
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None

@@ -1,0 +1,175 @@
+"""Averaging rounds, performed: the rank machine's Average and Blend steps against a backend.
+
+:class:`RoundRunner` waits until the rank is in the round's group generation, runs the
+collective (or, under the Async policy, starts it in the background and later blends the
+landed result in), and reports how it went to the machine. It owns the one cancel scope of a
+collective in flight and the background round, so the shell's CancelRound effect has one
+place to go.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from flodl.core.rank import RankMachine
+from flodl.core.rank_effects import RankEffect
+from flodl.errors import BackendError
+from flodl.wire.messages import SyncNow
+from flodl.worker.membership import GroupMembership, Standing
+from flodl.worker.records import tensors_sha256
+
+if TYPE_CHECKING:
+    import torch
+
+    from flodl.backends import AverageResult, Backend, PendingAverage
+
+log = logging.getLogger("flodl.worker")
+
+__all__ = ["RoundRunner"]
+
+
+class RoundRunner:
+    """Performs one rank's averaging steps; see the module docstring."""
+
+    def __init__(
+        self,
+        machine: RankMachine,
+        backend: Backend,
+        membership: GroupMembership,
+        model: torch.nn.Module,
+        changed: Callable[[], trio.Event],
+        perform: Callable[[list[RankEffect]], None],
+        *,
+        record_hashes: bool = False,
+    ) -> None:
+        """``changed()`` gives an event set at the next change worth re-checking (a group
+        joined, the rank ending or lost); ``perform`` carries out reactions that arrive outside a
+        boundary (a background round landed). With ``record_hashes``, a digest of the averaged
+        tensors is kept in :attr:`param_hashes` after every round."""
+        self._machine = machine
+        self._backend = backend
+        self._membership = membership
+        self._model = model
+        self._changed = changed
+        self._perform = perform
+        self._record_hashes = record_hashes
+        self.param_hashes: list[dict[str, Any]] = []
+        """With ``record_hashes``: ``{round, generation, sha256}`` after each average."""
+        self._collective: trio.CancelScope | None = None
+        self._pending: PendingAverage | None = None
+        self._pending_sync: SyncNow | None = None
+
+    def _tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return list(self._model.parameters()), list(self._model.buffers())
+
+    def cancel(self) -> None:
+        """Cancel the collective in flight and abandon the background round (never raises)."""
+        if self._collective is not None:
+            self._collective.cancel()
+        if self._pending is not None:
+            self._pending.abandon()
+
+    async def _joined(self, sync: SyncNow) -> bool:
+        """Wait until this rank is in ``sync.generation``; False if it never will be (or the
+        rank stops taking rounds meanwhile)."""
+        while True:
+            changed = self._changed()
+            standing = self._membership.standing_for(sync.generation)
+            if standing is Standing.NEVER:
+                if sync.generation <= self._membership.doomed:
+                    log.info(
+                        "rank %d: skipping round %d of abandoned group %d",
+                        self._machine.rank,
+                        sync.round,
+                        sync.generation,
+                    )
+                return False
+            if standing is Standing.MEMBER:
+                return True
+            if not self._machine.takes_rounds:
+                return False
+            await changed.wait()
+
+    async def average(
+        self, sync: SyncNow, background: bool, nursery: trio.Nursery
+    ) -> list[RankEffect]:
+        """Run the round for ``sync`` (or start it in the background); the machine's answer.
+
+        Cancelled (CancelRound) or failed rounds send no ack: the coordinator re-forms the
+        group and redoes the round.
+        """
+        if not await self._joined(sync):
+            return []
+        machine = self._machine
+        weight = machine.round_weight(sync, self._membership.group_rank)
+        params, buffers = self._tensors()
+        if background:
+            await self._start_background(sync, params, buffers, weight, nursery)
+            return []
+        result: AverageResult | None = None
+        started = trio.current_time()
+        with trio.CancelScope() as scope:
+            self._collective = scope
+            try:
+                result = await self._backend.average(params, buffers, weight)
+            except BackendError as err:
+                log.warning("rank %d: round %d failed: %s", machine.rank, sync.round, err)
+            finally:
+                self._collective = None
+        if result is None and scope.cancelled_caught:
+            log.info("rank %d: round %d abandoned", machine.rank, sync.round)
+        if result is not None:
+            self._record(sync)
+        return machine.average_finished(sync, result, trio.current_time() - started)
+
+    async def _start_background(
+        self,
+        sync: SyncNow,
+        params: list[torch.Tensor],
+        buffers: list[torch.Tensor],
+        weight: int,
+        nursery: trio.Nursery,
+    ) -> None:
+        try:
+            pending = await self._backend.start_background_average(nursery, params, buffers, weight)
+        except BackendError as err:
+            log.warning(
+                "rank %d: round %d could not start: %s", self._machine.rank, sync.round, err
+            )
+            return
+        self._machine.background_started(sync, weight)
+        self._pending, self._pending_sync = pending, sync
+        nursery.start_soon(self._watch_landing, pending)
+
+    async def _watch_landing(self, pending: PendingAverage) -> None:
+        await pending.wait()
+        if pending is self._pending:
+            self._perform(list(self._machine.background_landed()))
+
+    async def blend(self) -> list[RankEffect]:
+        """Blend the landed background round into the live tensors; the machine's answer."""
+        pending, sync = self._pending, self._pending_sync
+        assert pending is not None and sync is not None
+        self._pending = self._pending_sync = None
+        params, buffers = self._tensors()
+        started = trio.current_time()
+        result: AverageResult | None = None
+        try:
+            result = await trio.to_thread.run_sync(pending.blend_into, params, buffers)
+        except BackendError as err:
+            log.info("rank %d: round %d did not land: %s", self._machine.rank, sync.round, err)
+        if result is not None:
+            self._record(sync)
+        return self._machine.blend_finished(result, trio.current_time() - started)
+
+    def _record(self, sync: SyncNow) -> None:
+        if self._record_hashes:
+            params, buffers = self._tensors()
+            digest = tensors_sha256([*params, *buffers])
+            self.param_hashes.append(
+                {"round": sync.round, "generation": sync.generation, "sha256": digest}
+            )
