@@ -18,8 +18,6 @@ run of minutes of simulated training takes milliseconds and is deterministic::
 from __future__ import annotations
 
 import itertools
-import math
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -28,29 +26,37 @@ import trio
 
 from flodl.config import CoordinatorConfig
 from flodl.coordinator import Coordinator, open_coordinator
-from flodl.errors import ChannelClosed, FlodlError
+from flodl.core.cycle import Policy
+from flodl.core.job import Job
+from flodl.core.rank import RankMachine
+from flodl.core.rank_effects import (
+    Average,
+    CancelRound,
+    Finish,
+    HandOut,
+    JoinGroup,
+    PrepareGroup,
+    Raise,
+    RankEffect,
+    SaveAndStop,
+    SaveCheckpoint,
+    Send,
+    Wait,
+    Wake,
+)
+from flodl.core.work import BatchSlice
+from flodl.errors import CoordinatorError, FlodlError
 from flodl.transports import connect
 from flodl.transports.channel import Channel, connect_rank
 from flodl.wire.messages import (
-    Batch,
     CoordHeartbeat,
-    DeclareDead,
-    EpochAggregated,
-    ExtendPartition,
-    Heartbeat,
     Message,
     Metrics,
     NewGroupReady,
-    NewGroupSession,
-    Ready,
     RequestNewGroup,
-    SetGlobalStep,
     Shutdown,
     ShutdownWithSave,
-    StartEpoch,
-    SyncAck,
     SyncNow,
-    Throttle,
 )
 
 _names = itertools.count()
@@ -144,7 +150,11 @@ class _Groups:
 
 
 class ScriptedRank:
-    """A rank that follows a :class:`RankScript` over a real Channel."""
+    """A rank that follows a :class:`RankScript` over a real Channel.
+
+    Its protocol is the real one: a :class:`~flodl.core.rank.RankMachine` decides, this class
+    only performs (training is a sleep, averaging a :class:`SimulatedGroup`, saving instant).
+    """
 
     def __init__(self, rank: int, world_size: int, script: RankScript, groups: _Groups) -> None:
         self.rank = rank
@@ -158,14 +168,11 @@ class ScriptedRank:
 
     def _reset(self) -> None:
         """Fresh process state: no work, no group, step count 0."""
-        self._work: deque[tuple[int, int, int]] = deque()  # (epoch, offset, size)
-        self._inbox_send, self._inbox = trio.open_memory_channel[Message](math.inf)
-        self._step_count = 0
+        self.machine = RankMachine(self.rank, self.world_size, Policy.CADENCE, trio.current_time())
         self._group: SimulatedGroup | None = None
         self._silent = False
-        self._throttled = False
-        self._batch_size = 1
         self._abandon: trio.CancelScope | None = None
+        self._wake = trio.Event()
         self.cancel_scope = trio.CancelScope()
 
     async def run(
@@ -177,34 +184,25 @@ class ScriptedRank:
         process would: fresh state, same rank id, no scripted crash the second time.
         """
         await trio.sleep(self.script.start_after)
-        await self._live(url, key, dataset_size, batch_size, epochs)
+        job = Job(dataset_size, batch_size, epochs)
+        await self._live(url, key, job)
         if self.cancel_scope.cancel_called and self.script.rejoin_after is not None:
             await trio.sleep(self.script.rejoin_after)
             self.script = attrs.evolve(self.script, die_after_batches=None, rejoin_after=None)
             self._reset()
-            await self._live(url, key, dataset_size, batch_size, epochs)
+            await self._live(url, key, job)
 
-    async def _live(
-        self, url: str, key: bytes, dataset_size: int, batch_size: int, epochs: int
-    ) -> None:
-        self._batch_size = batch_size
+    async def _live(self, url: str, key: bytes, job: Job) -> None:
         self.lives += 1
         with self.cancel_scope:
             stream = await connect(url)
             async with stream:
                 channel = await connect_rank(stream, key, self.rank, self.world_size)
-                await channel.send(
-                    Ready(
-                        rank=self.rank,
-                        dataset_size=dataset_size,
-                        batch_size=batch_size,
-                        epochs=epochs,
-                    )
-                )
+                await self._perform(channel, self.machine.announce(job))
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._heartbeat, channel)
                     nursery.start_soon(self._receive, channel, nursery.cancel_scope)
-                    await self._obey(channel)
+                    await self._train(channel)
                     nursery.cancel_scope.cancel()
 
     def kill(self) -> None:
@@ -216,13 +214,48 @@ class ScriptedRank:
         self._silent = True
 
     async def _send(self, channel: Channel, message: Message) -> None:
-        if not self._silent:
+        if self._silent:
+            return
+        if isinstance(message, Metrics) and self.script.skip_completion_frames:
+            return
+        try:
             await channel.send(message)
+        except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError) as err:
+            self.machine.connection_lost(CoordinatorError(f"lost the coordinator: {err}"))
+            self._notify()
+
+    def _notify(self) -> None:
+        self._wake.set()
+        self._wake = trio.Event()
+
+    async def _perform(self, channel: Channel, effects: Sequence[RankEffect]) -> None:
+        """Carry out the machine's reactions in order."""
+        for effect in effects:
+            if isinstance(effect, Send):
+                await self._send(channel, effect.message)
+            elif isinstance(effect, Wake):
+                self._notify()
+            elif isinstance(effect, CancelRound) and self._abandon is not None:
+                self._abandon.cancel()
+            elif isinstance(effect, PrepareGroup):
+                await self._prepare_group(channel, effect.request)
+            elif isinstance(effect, JoinGroup):
+                session = effect.session
+                self._group = self._groups.get(session.generation, session.new_world_size)
+
+    async def _prepare_group(self, channel: Channel, request: RequestNewGroup) -> None:
+        if self.script.die_on_group_request:
+            self.kill()
+            await trio.lowlevel.checkpoint()
+        if self.script.ignore_group_requests:
+            return
+        info = f"simulated-{request.generation}".encode()
+        await self._send(channel, NewGroupReady(self.rank, request.generation, info))
 
     async def _heartbeat(self, channel: Channel) -> None:
         while not self.cancel_scope.cancel_called:
             await trio.sleep(self.script.heartbeat_interval)
-            await self._send(channel, Heartbeat(rank=self.rank, step_count=self._step_count))
+            await self._send(channel, self.machine.heartbeat())
 
     async def _receive(self, channel: Channel, scope: trio.CancelScope) -> None:
         try:
@@ -230,99 +263,63 @@ class ScriptedRank:
                 self.record.received.append(message)
                 if isinstance(message, CoordHeartbeat):
                     self.record.beats.append(trio.current_time())
-                if isinstance(message, DeclareDead) and self._abandon is not None:
-                    self._abandon.cancel()
                 if isinstance(message, Shutdown | ShutdownWithSave):
                     self.record.ended_by = message
-                    scope.cancel()
-                    return
-                if not isinstance(message, CoordHeartbeat | EpochAggregated | SetGlobalStep):
-                    # Work and control share one queue: like the real worker, a rank acts on
-                    # them in arrival order (a SyncNow before the window it came with).
-                    self._inbox_send.send_nowait(message)
-        except (ChannelClosed, FlodlError, trio.BrokenResourceError):
+                await self._perform(channel, self.machine.receive(message))
+        except (FlodlError, trio.BrokenResourceError) as err:
+            self.machine.connection_lost(CoordinatorError(f"lost the coordinator: {err}"))
             scope.cancel()
 
-    def _queue_work(self, message: StartEpoch | ExtendPartition) -> None:
-        if isinstance(message, StartEpoch):
-            span = (message.epoch, message.partition_offset, message.partition_size)
-        else:
-            span = (message.epoch, message.offset, message.size)
-        self._work.append(span)
+    async def _train(self, channel: Channel) -> None:
+        """The training loop: batch boundaries and (simulated) batches until the end."""
+        machine = self.machine
+        while True:
+            waited_before = machine.idle_s + machine.startup_s
+            machine.enter_boundary(trio.current_time())
+            try:
+                batch = await self._boundary(channel)
+            finally:
+                machine.leave_boundary(trio.current_time())
+                self.record.idle_s += machine.idle_s + machine.startup_s - waited_before
+            if batch is None:
+                return
+            await self._train_batch(channel, batch)
 
-    async def _obey(self, channel: Channel) -> None:
-        """Handle queued messages in order; train while there is work and nothing queued."""
-        clock_mark = trio.current_time()
-        while not self.cancel_scope.cancel_called:
-            pending = self._inbox.statistics().current_buffer_used
-            if pending == 0 and self._work and not self._throttled:
-                start = trio.current_time()
-                self.record.idle_s += start - clock_mark
-                await self._train_chunk(channel)
-                clock_mark = trio.current_time()
-                self.record.busy_s += clock_mark - start
-                continue
-            message = await self._inbox.receive()
-            handled_at = trio.current_time()
-            await self._control(channel, message)
-            if isinstance(message, SyncNow):
-                self.record.idle_s += handled_at - clock_mark
-                clock_mark = trio.current_time()
-                self.record.busy_s += clock_mark - handled_at
+    async def _boundary(self, channel: Channel) -> BatchSlice | None:
+        machine = self.machine
+        while True:
+            wake = self._wake
+            effects = machine.boundary(trio.current_time())
+            step = effects.pop()
+            await self._perform(channel, effects)
+            if isinstance(step, HandOut):
+                return step.batch
+            if isinstance(step, Finish | Raise):
+                return None
+            if isinstance(step, Wait):
+                await wake.wait()
+            elif isinstance(step, Average):
+                await self._perform(channel, await self._average(step.sync))
+            elif isinstance(step, SaveCheckpoint):
+                await self._perform(channel, machine.checkpoint_finished(step.request, 0.0, None))
+            elif isinstance(step, SaveAndStop):
+                await self._perform(channel, machine.save_finished("simulated, nothing saved"))
 
-    async def _train_chunk(self, channel: Channel) -> None:
+    async def _train_batch(self, channel: Channel, batch: BatchSlice) -> None:
         script = self.script
-        wall_start = trio.current_time()
-        batches = 0
-        samples = 0
-        epoch = self._work[0][0]
-        while self._work and not self._throttled:
-            epoch, offset, size = self._work.popleft()
-            position = offset
-            end = offset + size
-            while position < end:
-                batch = min(self._batch_size, end - position)
-                batch_ms = script.ms_per_batch
-                if script.ms_per_batch_after is not None:
-                    change_at, changed_ms = script.ms_per_batch_after
-                    if self.record.batches >= change_at:
-                        batch_ms = changed_ms
-                await trio.sleep((batch_ms + script.data_ms) / 1000.0)
-                self.record.samples.extend((epoch, p) for p in range(position, position + batch))
-                position += batch
-                batches += 1
-                samples += batch
-                self.record.batches += 1
-                self._step_count += 1
-                await self._send(
-                    channel,
-                    Batch(
-                        rank=self.rank,
-                        batch_ms=batch_ms,
-                        data_ms=script.data_ms,
-                        step_count=self._step_count,
-                        batch_loss=1.0 / self.record.batches,
-                    ),
-                )
-                await self._after_batch()
-                await self._drain_throttle(channel)
-        wall_ms = (trio.current_time() - wall_start) * 1000.0
-        if script.skip_completion_frames:
-            return
-        await self._send(
-            channel,
-            Metrics(
-                rank=self.rank,
-                epoch=epoch,
-                avg_loss=1.0 / max(self.record.batches, 1),
-                batches_processed=batches,
-                samples_processed=samples,
-                epoch_ms=wall_ms,
-            ),
-        )
-
-    async def _after_batch(self) -> None:
-        script = self.script
+        batch_ms = script.ms_per_batch
+        if script.ms_per_batch_after is not None:
+            change_at, changed_ms = script.ms_per_batch_after
+            if self.record.batches >= change_at:
+                batch_ms = changed_ms
+        started = trio.current_time()
+        await trio.sleep((batch_ms + script.data_ms) / 1000.0)
+        self.record.busy_s += trio.current_time() - started
+        self.record.samples.extend((batch.epoch, p) for p in range(batch.start, batch.stop))
+        self.record.batches += 1
+        loss = 1.0 / self.record.batches
+        done = self.machine.batch_done(loss, script.data_ms, trio.current_time())
+        await self._perform(channel, done)
         if script.die_after_batches is not None and self.record.batches >= script.die_after_batches:
             self.kill()
             await trio.lowlevel.checkpoint()
@@ -332,36 +329,11 @@ class ScriptedRank:
         ):
             self.silence()
 
-    async def _drain_throttle(self, channel: Channel) -> None:
-        # Control messages that arrived during a batch are handled between batches.
-        pending = self._inbox.statistics().current_buffer_used
-        for _ in range(pending):
-            await self._control(channel, self._inbox.receive_nowait())
-
-    async def _control(self, channel: Channel, message: Message) -> None:
-        if isinstance(message, StartEpoch | ExtendPartition):
-            self._queue_work(message)
-        elif isinstance(message, Throttle):
-            self._throttled = True
-        elif isinstance(message, RequestNewGroup):
-            if self.script.die_on_group_request:
-                self.kill()
-                await trio.lowlevel.checkpoint()
-            if self.script.ignore_group_requests:
-                return
-            info = f"simulated-{message.generation}".encode()
-            reply = NewGroupReady(rank=self.rank, generation=message.generation, info=info)
-            await self._send(channel, reply)
-        elif isinstance(message, NewGroupSession):
-            self._group = self._groups.get(message.generation, message.new_world_size)
-        elif isinstance(message, SyncNow):
-            self._throttled = False
-            await self._average(channel, message)
-
-    async def _average(self, channel: Channel, sync: SyncNow) -> None:
+    async def _average(self, sync: SyncNow) -> list[RankEffect]:
         group = self._group
         if group is None or group.generation != sync.generation:
-            return
+            return []
+        started = trio.current_time()
         with trio.CancelScope() as scope:
             self._abandon = scope
             if self.script.hang_collectives:
@@ -369,22 +341,24 @@ class ScriptedRank:
             await group.enter(sync.round, self.rank)
             await trio.sleep(self.script.collective_ms / 1000.0)
         self._abandon = None
+        elapsed = trio.current_time() - started
+        self.record.busy_s += elapsed
         if scope.cancelled_caught:
             self.record.abandoned += 1
-            return
-        self._step_count += 1
+            return self.machine.average_finished(sync, None, elapsed)
         self.record.syncs += 1
-        await self._send(
-            channel,
-            SyncAck(
-                rank=self.rank,
-                round=sync.round,
-                step_count=self._step_count,
-                divergence=0.01,
-                post_norm=1.0,
-                pre_norm=1.0,
-            ),
-        )
+        return self.machine.average_finished(sync, _SIMULATED_ROUND, elapsed)
+
+
+@attrs.frozen
+class _RoundFigures:
+    divergence: float = 0.01
+    post_norm: float = 1.0
+    pre_norm: float = 1.0
+
+
+_SIMULATED_ROUND = _RoundFigures()
+"""What every simulated average reports."""
 
 
 @attrs.define
