@@ -2,15 +2,15 @@
 
 The slowest rank (the *anchor rank*) runs ``anchor`` batches per window; a rank that is k times
 faster runs about ``k * anchor``, so all ranks reach the averaging barrier at about the same
-time and nobody idles. Timings come in after every window (:meth:`ElChe.report_timing` or
-:meth:`ElChe.report_window`); the anchor itself grows when averaging costs too much of the window
-(auto-tune), but only with a convergence guard's consent (:meth:`ElChe.apply_verdict`).
+time and nobody idles. Timings come in after every window (:meth:`ElChe.report_window`); the
+anchor itself grows when averaging costs too much of the window (auto-tune), but only with a
+convergence guard's consent (:meth:`ElChe.apply_verdict`).
 
 One averaging round drives ElChe like this::
 
-    counts = elche.report_timing(wall_ms, batches, sync_ms)   # may stage a larger anchor
+    elche.report_window(windows, reduce_ms)   # may stage a larger anchor
     elche.apply_verdict(guard.report(divergences, k_used, k_max))  # commit, veto or shrink
-    counts = elche.batch_counts                                 # the next window's plan
+    counts = elche.batch_counts               # the next window's plan
 
 Pure: no clocks, no I/O. Every method either completes or raises before changing anything.
 """
@@ -94,7 +94,7 @@ def elect_anchor(smoothed_ms: Sequence[float | None], incumbent: int | None) -> 
 
 @attrs.frozen
 class RankWindow:
-    """What one rank measured over one window (the richer feed of :meth:`ElChe.report_window`).
+    """What one rank measured over one window (the feed of :meth:`ElChe.report_window`).
 
     The window's first batch is *fill* (pipeline warm-up, data loader start); its time is
     ``fill_ms`` and it is not a sample of the rank's speed. Over batches 2..n the rank sums
@@ -162,7 +162,8 @@ class ElChe:
         max_total_batches: window cap (the epoch's batches), see :meth:`set_max_total_batches`.
         sync_policy: True when the run averages after every batch (Sync policy): auto-tune then
             never grows the anchor.
-        relax_up_on_stable: call :meth:`relax_up` after every Stable verdict (Async opt-in).
+        relax_up_on_stable: call :meth:`relax_up` after every Stable verdict (floDl's opt-in
+            for Async; the ``relax_up`` setting).
 
     Raises:
         ConfigError: world_size < 1, anchor < 1, max_anchor < anchor, a NaN overhead target,
@@ -213,55 +214,7 @@ class ElChe:
         self._growth_latched = False
         self._stable_streak = 0
         self._history: deque[list[int]] = deque(maxlen=SHARE_HISTORY)
-        self._speed_pin: tuple[int, float] | None = None
-        self._partition_ratios: list[float] | None = None
         self._apply_cap()
-
-    # --- cold-start pins --------------------------------------------------------------------
-
-    def with_speed_ratio(self, slow_rank: int, ratio: float) -> ElChe:
-        """Pin ``slow_rank`` as the anchor rank before any timing, the others ``ratio`` x faster.
-
-        Until calibration the other ranks run ``round(anchor * min(ratio, 64))`` (>= 1) batches.
-        This pin wins over :meth:`with_partition_ratios`. Returns self.
-
-        Raises:
-            ConfigError: already calibrated, rank out of range, or ratio not finite and > 0.
-        """
-        self._check_uncalibrated("with_speed_ratio")
-        self._check_rank(slow_rank)
-        if not _positive_finite(ratio):
-            raise ConfigError(f"speed ratio must be finite and > 0, got {ratio!r}")
-        self._speed_pin = (slow_rank, ratio)
-        self._resolve_pin()
-        self._recompute(retarget=True, step_clamp=False)
-        return self
-
-    def with_partition_ratios(self, ratios: Sequence[float]) -> ElChe:
-        """Pin the rank with the smallest data share (lowest index on ties) as the anchor rank.
-
-        Counts stay ``anchor`` until calibration. Returns self.
-
-        Raises:
-            ConfigError: already calibrated, wrong length, or a ratio not finite and > 0.
-        """
-        self._check_uncalibrated("with_partition_ratios")
-        self._check_length("partition_ratios", ratios)
-        if not all(_positive_finite(r) for r in ratios):
-            raise ConfigError(f"partition ratios must be finite and > 0, got {list(ratios)}")
-        self._partition_ratios = [float(r) for r in ratios]
-        self._resolve_pin()
-        self._recompute(retarget=True, step_clamp=False)
-        return self
-
-    def _resolve_pin(self) -> None:
-        if self._speed_pin is not None:
-            self._anchor_rank = self._speed_pin[0]
-        elif self._partition_ratios is not None:
-            ratios = self._partition_ratios
-            self._anchor_rank = ratios.index(min(ratios))
-        else:
-            self._anchor_rank = 0
 
     # --- read-only state --------------------------------------------------------------------
 
@@ -302,7 +255,7 @@ class ElChe:
 
     @property
     def anchor_rank(self) -> int:
-        """The rank that runs ``anchor`` batches (the cold-start pin until timings elect one)."""
+        """The rank that runs ``anchor`` batches (rank 0 until timings elect one)."""
         return self._anchor_rank
 
     @property
@@ -373,27 +326,6 @@ class ElChe:
 
     # --- feeds ------------------------------------------------------------------------------
 
-    def report_timing(
-        self, wall_ms: Sequence[float], batches: Sequence[int], sync_ms: float
-    ) -> list[int]:
-        """Take one window's wall time and actual batches per rank; return the new counts.
-
-        A rank's sample is ``wall_ms[r] / batches[r]``. A zero, negative or non-finite wall time
-        or zero batches is an invalid report for that rank: it is ignored, and 5 invalid reports
-        in a row clear the rank's samples. ``sync_ms`` is the last averaging's duration (a
-        non-finite or negative value disables auto-tune for this report).
-
-        Raises:
-            ConfigError: a sequence's length differs from the world size.
-        """
-        self._check_length("wall_ms", wall_ms)
-        self._check_length("batches", batches)
-        samples = [
-            w / b if _positive_finite(w) and b > 0 else None
-            for w, b in zip(wall_ms, batches, strict=True)
-        ]
-        return self._ingest(samples, sync_ms, [0.0] * self._world_size)
-
     def report_window(
         self,
         windows: Sequence[RankWindow | None],
@@ -401,14 +333,17 @@ class ElChe:
         *,
         use_delivered: bool = True,
     ) -> list[int]:
-        """Take one window's richer per-rank report; return the new counts.
+        """Take one window's per-rank report; return the new counts.
 
         A rank's sample is its delivered time (or compute time) over batches 2..n divided by
         ``n - 1``; the fill batch is left out of the speed and counted as overhead instead.
         Delivered time is used only if ``use_delivered`` (the caller passes True for CPU
         Cadence/Async and NCCL Cadence) and every rank that moved has a delivered sample;
         otherwise every rank uses compute time, so the cohort is never mixed. None or empty
-        windows (:attr:`RankWindow.is_empty`) are invalid reports for that rank.
+        windows (:attr:`RankWindow.is_empty`) and samples that are not finite and > 0 are
+        invalid reports for that rank: ignored, and 5 in a row clear the rank's samples.
+        ``reduce_ms`` is the last averaging's duration (a non-finite or negative value disables
+        auto-tune for this report).
 
         Raises:
             ConfigError: the number of windows differs from the world size.
@@ -440,14 +375,14 @@ class ElChe:
                 window.add(sample)
 
         # A lost anchor rank (5 missed reports) is replaced at once, in any phase; otherwise
-        # elections wait for Stable. With no timed rank at all, the cold-start pin stands in.
+        # elections wait for Stable. With no timed rank at all, rank 0 stands in.
         lost = self._windows[self._anchor_rank].lost
         if lost or self.phase >= Phase.STABLE:
             elected = elect_anchor(self.smoothed_ms, None if lost else self._anchor_rank)
             if elected is not None:
                 self._anchor_rank = elected
             elif lost:
-                self._resolve_pin()
+                self._anchor_rank = 0
         if self.slow_ms is not None:
             self._calibration_count += 1
 
@@ -461,16 +396,10 @@ class ElChe:
     # --- counts -----------------------------------------------------------------------------
 
     def _targets(self) -> list[int]:
-        """Ideal counts: proportional to speed once timed, the cold-start pin before."""
+        """Ideal counts: proportional to speed once timed, the anchor for everyone before."""
         slow = self.slow_ms
         if slow is None:
-            targets = [self._anchor] * self._world_size
-            if self._speed_pin is not None:
-                pinned_rank, ratio = self._speed_pin
-                other = max(1, rust_round(self._anchor * min(ratio, MAX_SPEEDUP)))
-                targets = [other] * self._world_size
-                targets[pinned_rank] = self._anchor
-            return targets
+            return [self._anchor] * self._world_size
         targets = []
         for rank, ms in enumerate(self.smoothed_ms):
             if ms is None or rank == self._anchor_rank or math.isclose(ms, slow):
@@ -525,24 +454,6 @@ class ElChe:
         _check_cap(max_total)
         self._max_total_batches = max_total
         self._apply_cap()
-
-    def clamp_total(self, max_total: int) -> list[int]:
-        """Scale this window's counts down to sum to at most ``max_total``; return them.
-
-        Counts become ``floor(c * max_total / sum)`` (>= 1) and the remainder is handed out +1
-        to the first ranks. One-shot: the next report recomputes counts. If ``max_total`` is
-        below the world size, every rank keeps 1 batch.
-
-        Raises:
-            ConfigError: max_total < 1.
-        """
-        _check_cap(max_total)
-        if sum(self._counts) > max_total:
-            scaled = _scale_down(self._counts, max_total)
-            for i in range(max(0, max_total - sum(scaled))):
-                scaled[i % self._world_size] += 1
-            self._counts = scaled
-        return self.batch_counts
 
     # --- anchor: auto-tune and verdicts -----------------------------------------------------
 
@@ -647,11 +558,10 @@ class ElChe:
     def for_survivors(self, survivors: Sequence[int]) -> ElChe:
         """A new ElChe over the surviving ranks, renumbered 0.. in ascending old-index order.
 
-        Survivors keep their timings, the anchor, phase, latch and pins that still apply. If the
-        anchor rank died, a new one is elected among the timed survivors (if none has timing,
-        the cold-start pin among the survivors, else rank 0). Counts are recomputed at once,
-        without dead zone or step clamp. Any staged growth is dropped. This instance is not
-        changed.
+        Survivors keep their timings, the anchor, phase and latch. If the anchor rank died, a
+        new one is elected among the timed survivors (rank 0 if none has timing). Counts are
+        recomputed at once, without dead zone or step clamp. Any staged growth is dropped. This
+        instance is not changed.
 
         Raises:
             ConfigError: no survivors, a duplicate, or an index out of range.
@@ -671,34 +581,25 @@ class ElChe:
             state[key] = [state[key][old] for old in keep]
         state["history"] = [[row[old] for old in keep] for row in state["history"]]
         state["anchor_rank"] = new_index.get(self._anchor_rank, 0)
-        pin = self._speed_pin
-        state["speed_pin"] = [new_index[pin[0]], pin[1]] if pin and pin[0] in new_index else None
-        ratios = self._partition_ratios
-        state["partition_ratios"] = [ratios[old] for old in keep] if ratios else None
         state["staged_anchor"] = None
 
         successor = ElChe.from_state(state)
         if self._anchor_rank not in new_index:
             elected = elect_anchor(successor.smoothed_ms, None)
-            if elected is None:
-                successor._resolve_pin()
-            else:
-                successor._anchor_rank = elected
+            successor._anchor_rank = 0 if elected is None else elected
         successor._recompute(retarget=True, step_clamp=False)
         return successor
 
     def add_rank(self) -> int:
         """Add a rank with no timing at the end; it runs ``anchor`` batches until timed.
 
-        Returns its index. A partition-ratio pin no longer covers every rank and is dropped
-        (the anchor rank it chose stays). The window cap is re-applied.
+        Returns its index. The window cap is re-applied.
         """
         self._world_size += 1
         self._windows.append(_TrustWindow())
         self._counts.append(self._anchor)
         for row in self._history:
             row.append(self._anchor)
-        self._partition_ratios = None
         self._apply_cap()
         return self._world_size - 1
 
@@ -730,13 +631,14 @@ class ElChe:
             "growth_latched": self._growth_latched,
             "stable_streak": self._stable_streak,
             "history": [list(row) for row in self._history],
-            "speed_pin": None if self._speed_pin is None else list(self._speed_pin),
-            "partition_ratios": None if self._partition_ratios is None else self._partition_ratios,
         }
 
     @classmethod
     def from_state(cls, d: Mapping[str, Any]) -> ElChe:
         """Rebuild an ElChe from :meth:`state` (``phase`` and ``smoothed_ms`` are derived).
+
+        Keys it does not read are ignored (a state saved by an earlier flodl also carries
+        ``speed_pin`` and ``partition_ratios``, None in every run).
 
         Raises:
             CheckpointError: the dict is malformed, inconsistent, or from a newer version.
@@ -799,15 +701,6 @@ class ElChe:
         elche._overhead = None if overhead is None else float(overhead)
         elche._growth_latched = bool(d["growth_latched"])
         elche._stable_streak = int(d["stable_streak"])
-        pin = d["speed_pin"]
-        if pin is not None:
-            rank, ratio = int(pin[0]), float(pin[1])
-            elche._check_rank(rank)
-            elche._speed_pin = (rank, ratio)
-        ratios = d["partition_ratios"]
-        if ratios is not None:
-            elche._partition_ratios = [float(r) for r in ratios]
-            elche._check_length("partition_ratios", elche._partition_ratios)
         return elche
 
     # --- checks -----------------------------------------------------------------------------
@@ -821,10 +714,6 @@ class ElChe:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self._world_size:
             raise ConfigError(f"ElChe rank {rank} out of range for world size {self._world_size}")
-
-    def _check_uncalibrated(self, what: str) -> None:
-        if self.calibrated:
-            raise ConfigError(f"ElChe {what}: cold-start pins apply only before calibration")
 
 
 def _check_cap(max_total: int | None) -> None:

@@ -7,6 +7,7 @@ import pytest
 from flodl.checkpoint import elche_for_world
 from flodl.core.elche import ElChe, Phase
 from flodl.errors import CheckpointError, ConfigError
+from tests.core.elche_feed import report
 
 MS = [10.0, 20.0, 30.0, 40.0]  # time per batch of ranks 0..3; rank 3 is the slowest
 
@@ -16,9 +17,7 @@ def stable_four_ranks() -> ElChe:
     elche = ElChe(4, anchor=10)
     counts = elche.batch_counts
     for _ in range(6):
-        counts = elche.report_timing(
-            [ms * c for ms, c in zip(MS, counts, strict=True)], counts, 0.0
-        )
+        counts = report(elche, [ms * c for ms, c in zip(MS, counts, strict=True)], counts)
     assert elche.anchor_rank == 3
     assert elche.phase is Phase.STABLE
     assert counts == [40, 20, 13, 10]  # round(10*40/30) = 13
@@ -49,7 +48,7 @@ def test_shrink_to_three() -> None:
 
 def test_shrink_keeping_the_anchor_rank_keeps_it() -> None:
     elche = ElChe(3, anchor=8)
-    counts = elche.report_timing([40.0, 10.0, 20.0], [1, 1, 1], 0.0)  # rank 0 pinned anchor
+    counts = report(elche, [40.0, 10.0, 20.0], [1, 1, 1])  # rank 0: the first anchor rank
     assert counts == [8, 32, 16]
     fitted = elche_for_world(elche.state(), 2)
     assert fitted.anchor_rank == 0
@@ -68,7 +67,7 @@ def test_grow_adds_untimed_ranks_that_run_the_anchor() -> None:
     # ties with the incumbent anchor rank, which stays.
     ms = [*MS, 5.0, 40.0]
     counts = elche.batch_counts
-    counts = elche.report_timing([m * c for m, c in zip(ms, counts, strict=True)], counts, 0.0)
+    counts = report(elche, [m * c for m, c in zip(ms, counts, strict=True)], counts)
     assert counts == [40, 20, 13, 10, 80, 10]
     assert elche.anchor_rank == 3
 

@@ -1,24 +1,15 @@
-"""ElChe counts, election, phases, trust window, dead zone, step clamp, cap and pins."""
+"""ElChe counts, election, phases, trust window, dead zone, step clamp and cap."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import pytest
 
 from flodl.core.elche import ElChe, Phase, RankWindow, elect_anchor, rust_round
 from flodl.core.phases import phase_for
 from flodl.errors import ConfigError
-
-
-def feed(elche: ElChe, ms: Sequence[float], rounds: int = 1, sync_ms: float = 0.0) -> list[int]:
-    """Report ``rounds`` windows in which rank r ran its count at ``ms[r]`` per batch."""
-    for _ in range(rounds):
-        counts = elche.batch_counts
-        elche.report_timing([c * m for c, m in zip(counts, ms, strict=True)], counts, sync_ms)
-    return elche.batch_counts
-
+from tests.core.elche_feed import feed, report
 
 # --- construction ---------------------------------------------------------------------------
 
@@ -66,10 +57,8 @@ def test_overhead_target_is_clamped() -> None:
 
 def test_report_of_wrong_length_is_rejected() -> None:
     elche = ElChe(3)
-    with pytest.raises(ConfigError, match="wall_ms"):
-        elche.report_timing([100.0, 100.0], [10, 10, 10], 0.0)
-    with pytest.raises(ConfigError, match="batches"):
-        elche.report_timing([100.0] * 3, [10, 10], 0.0)
+    with pytest.raises(ConfigError, match="windows"):
+        elche.report_window([RankWindow(2, compute_ms=100.0)] * 2, 0.0)
     assert elche.calibration_count == 0
 
 
@@ -113,7 +102,7 @@ def test_counts_never_drop_below_one() -> None:
 
 def test_samples_use_actual_batches() -> None:
     elche = ElChe(2)
-    elche.report_timing([1000.0, 1000.0], [10, 8], 0.0)
+    report(elche, [1000.0, 1000.0], [10, 8], 0.0)
     assert elche.smoothed_ms == [100.0, 125.0]
     assert elche.batch_counts == [10, 8]
 
@@ -124,7 +113,7 @@ def test_samples_use_actual_batches() -> None:
 def test_trust_window_is_the_mean_of_the_last_five() -> None:
     elche = ElChe(2)
     for ms in (10.0, 20.0, 30.0, 40.0, 50.0, 60.0):
-        elche.report_timing([100.0, ms], [1, 1], 0.0)
+        report(elche, [100.0, ms], [1, 1], 0.0)
     assert elche.smoothed_ms == [100.0, 40.0]
 
 
@@ -134,19 +123,19 @@ def test_trust_window_is_the_mean_of_the_last_five() -> None:
 )
 def test_invalid_reports_are_ignored(wall: float, batches: int) -> None:
     elche = ElChe(2)
-    elche.report_timing([100.0, 50.0], [1, 1], 0.0)
-    elche.report_timing([100.0, wall], [1, batches], 0.0)
+    report(elche, [100.0, 50.0], [1, 1], 0.0)
+    report(elche, [100.0, wall], [1, batches], 0.0)
     assert elche.smoothed_ms == [100.0, 50.0]
     assert elche.batch_counts == [10, 20]
 
 
 def test_five_invalid_reports_in_a_row_clear_the_window() -> None:
     elche = ElChe(2)
-    elche.report_timing([100.0, 50.0], [1, 1], 0.0)
+    report(elche, [100.0, 50.0], [1, 1], 0.0)
     for _ in range(4):
-        elche.report_timing([100.0, 0.0], [1, 0], 0.0)
+        report(elche, [100.0, 0.0], [1, 0], 0.0)
     assert elche.smoothed_ms == [100.0, 50.0]
-    elche.report_timing([100.0, 0.0], [1, 0], 0.0)
+    report(elche, [100.0, 0.0], [1, 0], 0.0)
     assert elche.smoothed_ms == [100.0, None]
     # An untimed rank runs the anchor.
     assert elche.batch_counts == [10, 10]
@@ -154,18 +143,18 @@ def test_five_invalid_reports_in_a_row_clear_the_window() -> None:
 
 def test_a_valid_report_resets_the_invalid_streak() -> None:
     elche = ElChe(2)
-    elche.report_timing([100.0, 50.0], [1, 1], 0.0)
+    report(elche, [100.0, 50.0], [1, 1], 0.0)
     for _ in range(4):
-        elche.report_timing([100.0, 0.0], [1, 0], 0.0)
-    elche.report_timing([100.0, 40.0], [1, 1], 0.0)
+        report(elche, [100.0, 0.0], [1, 0], 0.0)
+    report(elche, [100.0, 40.0], [1, 1], 0.0)
     for _ in range(4):
-        elche.report_timing([100.0, 0.0], [1, 0], 0.0)
+        report(elche, [100.0, 0.0], [1, 0], 0.0)
     assert elche.smoothed_ms == [100.0, 45.0]
 
 
 def test_all_invalid_report_is_not_a_calibration() -> None:
     elche = ElChe(2)
-    elche.report_timing([0.0, math.nan], [0, 3], 0.0)
+    report(elche, [0.0, math.nan], [0, 3], 0.0)
     assert elche.calibration_count == 0
     assert elche.phase is Phase.PROBE
     assert elche.batch_counts == [10, 10]
@@ -269,7 +258,7 @@ def test_election_keeps_the_incumbent_unless_dominated() -> None:
 
 def test_elections_wait_for_stable() -> None:
     elche = ElChe(2)
-    # Rank 1 is slower, but before Stable the rank-0 pin holds.
+    # Rank 1 is slower, but before Stable rank 0 stays the anchor rank.
     for _ in range(5):
         assert feed(elche, [50.0, 100.0]) == [10, 5]
         assert elche.anchor_rank == 0
@@ -300,23 +289,24 @@ def test_lost_anchor_rank_is_replaced_at_once() -> None:
     assert elche.phase is Phase.WARMUP
     for _ in range(5):
         c = elche.batch_counts
-        elche.report_timing([0.0, c[1] * 80.0, c[2] * 50.0], [0, c[1], c[2]], 0.0)
+        report(elche, [0.0, c[1] * 80.0, c[2] * 50.0], [0, c[1], c[2]], 0.0)
     # Rank 0 missed 5 reports: even in Warmup a new anchor rank is elected among the timed.
     assert elche.anchor_rank == 1
     assert elche.batch_counts == [10, 10, 16]
 
 
-def test_with_every_rank_lost_the_pin_stands_in() -> None:
-    elche = ElChe(2).with_speed_ratio(1, 2.0)
-    feed(elche, [50.0, 100.0])
-    for _ in range(5):
-        elche.report_timing([0.0, 0.0], [0, 0], 0.0)
-    assert elche.smoothed_ms == [None, None]
+def test_with_every_rank_lost_rank_0_stands_in() -> None:
+    elche = ElChe(2)
+    feed(elche, [50.0, 100.0], rounds=6)
     assert elche.anchor_rank == 1
-    assert elche.batch_counts == [20, 10]
-    # The first rank to report again is elected at once (the pinned rank counts as lost).
-    elche.report_timing([500.0, 0.0], [10, 0], 0.0)
+    for _ in range(5):
+        report(elche, [0.0, 0.0], [0, 0], 0.0)
+    assert elche.smoothed_ms == [None, None]
     assert elche.anchor_rank == 0
+    assert elche.batch_counts == [10, 10]
+    # The first rank to report again is elected at once (the others count as lost).
+    report(elche, [0.0, 1000.0], [0, 10], 0.0)
+    assert elche.anchor_rank == 1
     assert elche.batch_counts == [10, 10]
 
 
@@ -325,33 +315,33 @@ def test_with_every_rank_lost_the_pin_stands_in() -> None:
 
 def test_dead_zone_ignores_changes_of_five_percent_or_less() -> None:
     elche = ElChe(2)
-    elche.report_timing([100.0, 50.0], [1, 1], 0.0)
+    report(elche, [100.0, 50.0], [1, 1], 0.0)
     assert elche.batch_counts == [10, 20]
     # Mean (50 + 47) / 2 = 48.5: target round(20.62) = 21, |21 - 20| <= 5% of 20: kept.
-    elche.report_timing([100.0, 47.0], [1, 1], 0.0)
+    report(elche, [100.0, 47.0], [1, 1], 0.0)
     assert elche.batch_counts == [10, 20]
     # Mean (50 + 47 + 40) / 3 = 45.67: target round(21.9) = 22, a change of 2 > 1: applied.
-    elche.report_timing([100.0, 40.0], [1, 1], 0.0)
+    report(elche, [100.0, 40.0], [1, 1], 0.0)
     assert elche.batch_counts == [10, 22]
 
 
 def test_step_clamp_moves_at_most_max_batch_diff_once_calibrated() -> None:
     elche = ElChe(2, max_batch_diff=2)
     # The first calibration jumps straight to the target.
-    elche.report_timing([100.0, 50.0], [1, 1], 0.0)
+    report(elche, [100.0, 50.0], [1, 1], 0.0)
     assert elche.batch_counts == [10, 20]
     # Mean 30: target round(33.3) = 33, but one step moves at most 2.
-    elche.report_timing([100.0, 10.0], [1, 1], 0.0)
+    report(elche, [100.0, 10.0], [1, 1], 0.0)
     assert elche.batch_counts == [10, 22]
     # Mean 23.33: target round(42.9) = 43: again 2.
-    elche.report_timing([100.0, 10.0], [1, 1], 0.0)
+    report(elche, [100.0, 10.0], [1, 1], 0.0)
     assert elche.batch_counts == [10, 24]
 
 
 def test_step_clamp_of_zero_freezes_counts_after_calibration() -> None:
     elche = ElChe(2, max_batch_diff=0)
-    elche.report_timing([100.0, 50.0], [1, 1], 0.0)
-    elche.report_timing([100.0, 10.0], [1, 1], 0.0)
+    report(elche, [100.0, 50.0], [1, 1], 0.0)
+    report(elche, [100.0, 10.0], [1, 1], 0.0)
     assert elche.batch_counts == [10, 20]
 
 
@@ -397,82 +387,16 @@ def test_window_cap_applies_from_the_start_and_keeps_one_batch_each() -> None:
     assert ElChe(4, max_total_batches=40).cap_binding is False
 
 
-def test_clamp_total_spreads_the_remainder_over_the_first_ranks() -> None:
-    elche = ElChe(3)
-    feed(elche, [100.0, 50.0, 25.0])
-    # floor([660, 1320, 2640] / 70) = [9, 18, 37] = 64; +1 to ranks 0 and 1.
-    assert elche.clamp_total(66) == [10, 19, 37]
-    assert elche.clamp_total(1000) == [10, 19, 37]  # under the limit: unchanged
-    assert not elche.cap_binding
-    with pytest.raises(ConfigError):
-        elche.clamp_total(0)
-    # One-shot: the next report recomputes.
-    assert feed(elche, [100.0, 50.0, 25.0]) == [10, 20, 40]
-
-
-# --- cold-start pins ------------------------------------------------------------------------
-
-
-def test_speed_ratio_pin_sets_counts_before_calibration() -> None:
-    elche = ElChe(3).with_speed_ratio(1, 2.5)
-    assert elche.anchor_rank == 1
-    assert elche.batch_counts == [25, 10, 25]
-    assert ElChe(2).with_speed_ratio(0, 100.0).batch_counts == [10, 640]
-    assert ElChe(2).with_speed_ratio(0, 1.25).batch_counts == [10, 13]
-
-
-def test_partition_ratio_pin_picks_the_smallest_share() -> None:
-    elche = ElChe(3).with_partition_ratios([0.5, 0.2, 0.3])
-    assert elche.anchor_rank == 1
-    assert elche.batch_counts == [10, 10, 10]
-
-
-def test_speed_ratio_pin_wins_over_partition_ratios() -> None:
-    elche = ElChe(3).with_speed_ratio(2, 2.0).with_partition_ratios([0.5, 0.2, 0.3])
-    assert elche.anchor_rank == 2
-    elche = ElChe(3).with_partition_ratios([0.5, 0.2, 0.3]).with_speed_ratio(2, 2.0)
-    assert elche.anchor_rank == 2
-
-
-def test_pins_are_rejected_after_calibration_or_when_malformed() -> None:
-    elche = ElChe(2)
-    with pytest.raises(ConfigError):
-        elche.with_speed_ratio(2, 2.0)
-    with pytest.raises(ConfigError):
-        elche.with_speed_ratio(0, 0.0)
-    with pytest.raises(ConfigError):
-        elche.with_partition_ratios([1.0])
-    feed(elche, [100.0, 50.0])
-    with pytest.raises(ConfigError, match="before calibration"):
-        elche.with_speed_ratio(0, 2.0)
-
-
-def test_pinned_anchor_is_kept_while_it_reports() -> None:
-    elche = ElChe(2).with_speed_ratio(1, 2.0)
-    assert feed(elche, [50.0, 100.0]) == [20, 10]
-    assert elche.anchor_rank == 1
-
-
-def test_pin_that_misses_five_reports_triggers_reelection() -> None:
-    elche = ElChe(3).with_speed_ratio(2, 2.0)
-    for i in range(5):
-        elche.report_timing([1000.0, 500.0, 0.0], [10, 10, 0], 0.0)
-        # Without timing for the pinned rank there is no calibration; the 5th miss unpins it.
-        assert elche.calibration_count == (1 if i == 4 else 0)
-        assert elche.anchor_rank == (0 if i == 4 else 2)
-    assert elche.batch_counts == [10, 20, 10]
-
-
 # --- outputs --------------------------------------------------------------------------------
 
 
 def test_recent_batch_share_averages_the_last_ten_count_vectors() -> None:
     elche = ElChe(2)
     assert elche.recent_batch_share == [0.5, 0.5]
-    elche.report_timing([100.0, 50.0], [1, 1], 0.0)  # counts [10, 20]
-    elche.report_timing([100.0, 10.0], [1, 1], 0.0)  # mean 30: counts [10, 33]
+    report(elche, [100.0, 50.0], [1, 1], 0.0)  # counts [10, 20]
+    report(elche, [100.0, 10.0], [1, 1], 0.0)  # mean 30: counts [10, 33]
     # Mean vector [10, 26.5], normalised.
     assert elche.recent_batch_share == pytest.approx([10 / 36.5, 26.5 / 36.5])
     for _ in range(15):
-        elche.report_timing([100.0, 25.0], [1, 1], 0.0)
+        report(elche, [100.0, 25.0], [1, 1], 0.0)
     assert elche.recent_batch_share == pytest.approx([1 / 5, 4 / 5])

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import pytest
 
 from flodl.core.elche import ElChe, Phase, RankWindow
 from flodl.core.guards import NudgeDown, Stable, SuppressGrowth
 from flodl.errors import ConfigError
+from tests.core.elche_feed import feed, report
 
 MS = [100.0, 50.0]  # rank 0 is the anchor rank: anchor * slow = 10 * 100 = 1000 ms
-
-
-def feed(elche: ElChe, ms: Sequence[float], rounds: int = 1, sync_ms: float = 0.0) -> list[int]:
-    """Report ``rounds`` windows in which rank r ran its count at ``ms[r]`` per batch."""
-    for _ in range(rounds):
-        counts = elche.batch_counts
-        elche.report_timing([c * m for c, m in zip(counts, ms, strict=True)], counts, sync_ms)
-    return elche.batch_counts
 
 
 def stable_elche(**kwargs: object) -> ElChe:
@@ -82,7 +74,7 @@ def test_warmup_needs_twice_the_target_and_a_second_report() -> None:
 
 def test_no_growth_without_timing() -> None:
     elche = ElChe(2)
-    elche.report_timing([0.0, 0.0], [0, 0], 1e6)
+    report(elche, [0.0, 0.0], [0, 0], 1e6)
     assert elche.overhead is None
     assert elche.staged_anchor is None
 

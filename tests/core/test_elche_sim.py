@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from flodl.core.elche import ElChe, rust_round
 from flodl.core.guards import NudgeDown, Stable, SuppressGrowth, Verdict
+from tests.core.elche_feed import report
 
 BASE_MS = 100.0
 SPEEDS = [1.0 + 1.5 * i / 7 for i in range(8)]  # 1.0, 1.21, ..., 2.5
@@ -21,7 +22,7 @@ def run_window(elche: ElChe, ms: Sequence[float], sync_ms: float) -> list[float]
     """Every rank runs its count at its speed; returns each rank's wall time."""
     counts = elche.batch_counts
     walls = [c * m for c, m in zip(counts, ms, strict=True)]
-    elche.report_timing(walls, counts, sync_ms)
+    report(elche, walls, counts, sync_ms)
     return walls
 
 
@@ -145,7 +146,7 @@ def test_invariants_under_random_drive(
                     0.0 if mask >> r & 1 else c * m
                     for r, (c, m) in enumerate(zip(counts, ms, strict=True))
                 ]
-                elche.report_timing(walls, counts, sync)
+                report(elche, walls, counts, sync)
             case ("verdict", kind):
                 elche.apply_verdict(verdicts[kind])
             case ("nudge", float(factor)):
@@ -168,7 +169,7 @@ def test_invariants_under_random_drive(
     elche.set_max_total_batches(None)
     for _ in range(12):
         counts = elche.batch_counts
-        elche.report_timing([c * m for c, m in zip(counts, ms, strict=True)], counts, 0.0)
+        report(elche, [c * m for c, m in zip(counts, ms, strict=True)], counts, 0.0)
     if max_batch_diff is None:
         counts = elche.batch_counts
         assert elche.anchor_rank is not None

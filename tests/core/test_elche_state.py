@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -11,14 +10,7 @@ import pytest
 from flodl.core.elche import ElChe, Phase
 from flodl.core.guards import NudgeDown, Stable, SuppressGrowth, Verdict
 from flodl.errors import CheckpointError, ConfigError
-
-
-def feed(elche: ElChe, ms: Sequence[float], rounds: int = 1, sync_ms: float = 0.0) -> list[int]:
-    """Report ``rounds`` windows in which rank r ran its count at ``ms[r]`` per batch."""
-    for _ in range(rounds):
-        counts = elche.batch_counts
-        elche.report_timing([c * m for c, m in zip(counts, ms, strict=True)], counts, sync_ms)
-    return elche.batch_counts
+from tests.core.elche_feed import feed
 
 
 def via_json(state: dict[str, Any]) -> dict[str, Any]:
@@ -42,10 +34,17 @@ def test_state_is_plain_json_with_the_persisted_fields() -> None:
 
 
 def test_fresh_state_round_trips() -> None:
-    elche = ElChe(3, anchor=4, max_anchor=40).with_speed_ratio(2, 1.5)
+    elche = ElChe(3, anchor=4, max_anchor=40)
     restored = ElChe.from_state(via_json(elche.state()))
     assert restored.state() == elche.state()
-    assert restored.batch_counts == [6, 6, 4]
+    assert restored.batch_counts == [4, 4, 4]
+
+
+def test_a_state_with_the_old_cold_start_pin_keys_still_loads() -> None:
+    elche = ElChe(2)
+    feed(elche, [100.0, 50.0])
+    saved = {**via_json(elche.state()), "speed_pin": None, "partition_ratios": None}
+    assert ElChe.from_state(saved).state() == elche.state()
 
 
 def test_round_trip_mid_run_reproduces_identical_decisions() -> None:
@@ -176,12 +175,12 @@ def test_single_survivor_runs_the_anchor() -> None:
 
 
 def test_survivors_before_any_timing() -> None:
-    elche = ElChe(3).with_speed_ratio(1, 2.0)
-    kept = elche.for_survivors([1, 2])
-    assert kept.anchor_rank == 0  # the pinned rank, renumbered
-    assert kept.batch_counts == [10, 20]
-    lost = elche.for_survivors([0, 2])
-    assert lost.anchor_rank == 0  # pin gone, no timing: rank 0
+    elche = ElChe(3)
+    kept = elche.for_survivors([0, 2])
+    assert kept.anchor_rank == 0  # the anchor rank, kept
+    assert kept.batch_counts == [10, 10]
+    lost = elche.for_survivors([1, 2])
+    assert lost.anchor_rank == 0  # anchor rank gone, no timing: rank 0
     assert lost.batch_counts == [10, 10]
 
 
@@ -222,7 +221,8 @@ def test_added_rank_respects_the_cap() -> None:
 
 
 def test_added_rank_survives_a_state_round_trip() -> None:
-    elche = ElChe(2).with_partition_ratios([0.7, 0.3])
+    elche = ElChe(2)
+    feed(elche, [50.0, 100.0], rounds=6)  # Stable: rank 1 elected
     elche.add_rank()
     restored = ElChe.from_state(via_json(elche.state()))
     assert restored.state() == elche.state()
