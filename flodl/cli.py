@@ -28,6 +28,11 @@ def _add_coordinator_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--anchor", type=int, default=10)
     parser.add_argument("--max-batch-diff", type=int, default=None)
     parser.add_argument(
+        "--relax-up",
+        action="store_true",
+        help="cadence/async: grow the anchor by one after every round the guard finds stable",
+    )
+    parser.add_argument(
         "--window-cap-epochs",
         type=float,
         default=1.0,
@@ -45,6 +50,7 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         anchor=args.anchor,
         max_anchor=max(1000, args.anchor),
         max_batch_diff=args.max_batch_diff,
+        relax_up=args.relax_up,
         window_cap_epochs=args.window_cap_epochs,
     )
 

@@ -75,6 +75,11 @@ class CoordinatorConfig:
     anchor: int = attrs.field(default=10, validator=_at_least_one)
     max_anchor: int = attrs.field(default=1000, validator=_at_least_one)
     overhead_target: float = attrs.field(default=0.05, validator=_positive)
+    relax_up: bool = False
+    """Cadence/Async: after every round the guard judges stable, grow the anchor by one batch
+    (within ``max_anchor`` and, with ``max_batch_diff``, while the fastest rank's count stays
+    within that of the anchor's), so windows lengthen while averaging keeps converging
+    (floDl's opt-in for Async; off by default, as there). Not with ``policy="sync"``."""
     max_batch_diff: int | None = attrs.field(default=None, validator=_optional_non_negative_int)
     guard: GuardKind = attrs.field(default=GuardKind.TREND, converter=GuardKind)
     trend_threshold: float = attrs.field(default=0.05, validator=_positive)
@@ -92,6 +97,8 @@ class CoordinatorConfig:
     def __attrs_post_init__(self) -> None:
         if self.max_anchor < self.anchor:
             raise ConfigError(f"max_anchor ({self.max_anchor}) < anchor ({self.anchor})")
+        if self.relax_up and self.policy is Policy.SYNC:
+            raise ConfigError("relax_up grows cadence windows; policy sync has none")
         if self.heartbeat_interval >= self.heartbeat_timeout:
             raise ConfigError(
                 f"heartbeat_interval ({self.heartbeat_interval} s) must be below "

@@ -221,6 +221,7 @@ class CoordinatorMachine:
             overhead_target=c.overhead_target,
             max_batch_diff=c.max_batch_diff,
             sync_policy=c.policy is Policy.SYNC,
+            relax_up_on_stable=c.relax_up,
         )
 
     # --- queries --------------------------------------------------------------------------

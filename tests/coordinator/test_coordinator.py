@@ -407,3 +407,24 @@ async def test_throttled_run_with_unequal_ranks_completes(autojump_clock: MockCl
     assert sum(r.record.count(Throttle) for r in cluster.ranks) >= 1
     samples = Counter(s for rank in cluster.ranks for s in rank.record.samples)
     assert len(samples) == 2000 and set(samples.values()) == {1}
+
+
+@pytest.mark.parametrize("relax_up", [False, True])
+async def test_relax_up_grows_the_anchor_by_one_per_stable_round(
+    autojump_clock: MockClock, relax_up: bool
+) -> None:
+    # NoGuard judges every round stable; the overhead target is far above what a window's
+    # fill batch costs, so auto-tune never grows the anchor: only relax_up can.
+    config = CoordinatorConfig(
+        guard="none", relax_up=relax_up, overhead_target=0.5, window_cap_epochs=None
+    )
+    async with open_cluster(fast(2), dataset_size=20_000, batch_size=10, config=config) as c:
+        machine = c.coordinator.machine
+        while machine.cycle.round < 6:
+            await trio.sleep(0.1)
+        anchor, rounds = machine.elche.anchor, machine.cycle.round
+        c.coordinator.request_stop(save=False)
+        await c.coordinator.wait_finished()
+    # Round 1 aligns the parameters and closes no window; each later one judges the window
+    # it closes as it starts.
+    assert anchor == (10 + rounds - 1 if relax_up else 10)
