@@ -1,13 +1,14 @@
 """Run settings: attrs classes with floDl's defaults, validated on construction.
 
 Every setting has a default a user can run with; a value out of range raises
-:class:`~flodl.errors.ConfigError` naming the setting. :func:`session_key_from_env` reads the
-session key from the environment or a file, never from the command line.
+:class:`~flodl.errors.ConfigError` naming the setting. :meth:`CoordinatorConfig.machine_settings`
+turns a config into the :class:`~flodl.core.settings.MachineSettings` the coordinator machine
+takes (core defines them and never imports this module). :func:`session_key_from_env` reads
+the session key from the environment or a file, never from the command line.
 """
 
 from __future__ import annotations
 
-import enum
 import os
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ from typing import Any
 import attrs
 
 from flodl.core.cycle import Policy, default_reduce_stall_ceiling
+from flodl.core.guards import GuardKind
 from flodl.core.liveness import MaxFailure
+from flodl.core.settings import CadenceSettings, MachineSettings, Timeouts
 from flodl.errors import ConfigError
 
 __all__ = [
@@ -30,14 +33,6 @@ __all__ = [
 SESSION_KEY_ENV = "FLODL_SESSION_KEY"
 SESSION_KEY_FILE_ENV = "FLODL_SESSION_KEY_FILE"
 MIN_SESSION_KEY_BYTES = 16
-
-
-class GuardKind(enum.Enum):
-    """Which convergence guard judges each averaging round."""
-
-    TREND = "trend"
-    NONE = "none"
-    MSF = "msf"
 
 
 def _positive(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -116,6 +111,31 @@ class CoordinatorConfig:
     def window_wait_ceiling(self) -> float:
         """Ceiling of the window-completion wait: heartbeat timeout + 2 s."""
         return self.heartbeat_timeout + 2.0
+
+    def machine_settings(self) -> MachineSettings:
+        """What the coordinator machine decides by, with every default resolved."""
+        return MachineSettings(
+            policy=self.policy,
+            cadence=CadenceSettings(
+                anchor=self.anchor,
+                max_anchor=self.max_anchor,
+                overhead_target=self.overhead_target,
+                max_batch_diff=self.max_batch_diff,
+                relax_up=self.relax_up,
+                window_cap_epochs=self.window_cap_epochs,
+                fill_idle_ranks=self.fill_idle_ranks,
+            ),
+            timeouts=Timeouts(
+                heartbeat=self.heartbeat_timeout,
+                reduce_stall=self.stall_ceiling,
+                rendezvous_retry=self.rendezvous_retry,
+                window_wait=self.window_wait_ceiling,
+            ),
+            guard=self.guard,
+            trend_threshold=self.trend_threshold,
+            max_failure=self.max_failure,
+            collective=self.collective,
+        )
 
 
 def check_session_key(key: bytes) -> bytes:

@@ -417,7 +417,7 @@ async def open_coordinator(
     listener = await open_listener(url)
     machine = CoordinatorMachine(
         world_size,
-        config,
+        config.machine_settings(),
         now=trio.current_time(),
         local_ranks=frozenset(range(world_size)) if local_ranks is None else local_ranks,
         seed=seed,

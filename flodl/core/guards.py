@@ -14,6 +14,7 @@ it, so a resumed run continues exactly where the checkpoint left off.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 from collections import deque
@@ -26,6 +27,7 @@ from flodl.errors import CheckpointError, ConfigError
 
 __all__ = [
     "Guard",
+    "GuardKind",
     "MsfGuard",
     "NoGuard",
     "NudgeDown",
@@ -288,19 +290,29 @@ class MsfGuard:
         return guard
 
 
-def make_guard(kind: str, threshold: float = 0.05) -> Guard:
-    """A fresh guard by name: "trend" (TrendGuard(threshold)), "none" or "msf".
+class GuardKind(enum.Enum):
+    """Which convergence guard judges each averaging round."""
+
+    TREND = "trend"
+    NONE = "none"
+    MSF = "msf"
+
+
+def make_guard(kind: GuardKind | str, threshold: float = 0.05) -> Guard:
+    """A fresh guard of ``kind`` (or its name): TREND (TrendGuard(threshold)), NONE or MSF.
 
     Raises:
         ConfigError: an unknown name.
     """
-    if kind == "trend":
+    try:
+        kind = GuardKind(kind)
+    except ValueError:
+        raise ConfigError(f"unknown guard {kind!r} (expected 'trend', 'none' or 'msf')") from None
+    if kind is GuardKind.TREND:
         return TrendGuard(threshold)
-    if kind == "none":
+    if kind is GuardKind.NONE:
         return NoGuard()
-    if kind == "msf":
-        return MsfGuard()
-    raise ConfigError(f"unknown guard {kind!r} (expected 'trend', 'none' or 'msf')")
+    return MsfGuard()
 
 
 def guard_from_state(d: Mapping[str, Any]) -> Guard:

@@ -28,7 +28,6 @@ from typing import Any
 
 import attrs
 
-from flodl.config import CoordinatorConfig
 from flodl.core.cycle import Cycle, Policy
 from flodl.core.effects import Broadcast, Send
 from flodl.core.elche import ElChe, RankWindow, elche_for_world
@@ -39,6 +38,7 @@ from flodl.core.job import Job
 from flodl.core.liveness import Liveness, LossCause, RankLost, unrecoverable_reason
 from flodl.core.partitions import ChunkPool
 from flodl.core.rendezvous import Rendezvous
+from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
 from flodl.core.workload import Workload, span_batches
 from flodl.wire.messages import (
@@ -144,7 +144,7 @@ class CoordinatorMachine:
     def __init__(
         self,
         world_size: int,
-        config: CoordinatorConfig,
+        settings: MachineSettings,
         *,
         now: float,
         local_ranks: frozenset[int] = frozenset(),
@@ -153,7 +153,7 @@ class CoordinatorMachine:
         resume: ResumeState | None = None,
     ) -> None:
         self.world_size = world_size
-        self.config = config
+        self.settings = settings
         self.seed = seed
         self.timeline = Timeline()
         self.phase = Phase.JOINING
@@ -161,7 +161,8 @@ class CoordinatorMachine:
         self.job: Job | None = None
         self.stats = [RankStats() for _ in range(world_size)]
         self.epoch_results: list[dict[str, Any]] = []
-        policy = config.policy
+        policy = settings.policy
+        timeouts = settings.timeouts
         self._progressive = policy is not Policy.SYNC
         # Sync runs windows of exactly one batch per rank through the count trigger, so the
         # epoch's tail (where some ranks get no batch) is handled by the quiesced exemption.
@@ -170,15 +171,15 @@ class CoordinatorMachine:
             Policy.ASYNC if policy is Policy.ASYNC else Policy.CADENCE,
             global_step=0 if resume is None else resume.global_step,
             round=0 if resume is None else resume.sync_round,
-            reduce_stall_ceiling=config.stall_ceiling,
-            heartbeat_timeout=config.heartbeat_timeout,
-            max_batch_diff=config.max_batch_diff,
+            reduce_stall_ceiling=timeouts.reduce_stall,
+            heartbeat_timeout=timeouts.heartbeat,
+            max_batch_diff=settings.cadence.max_batch_diff,
         )
-        self.liveness = Liveness(world_size, heartbeat_timeout=config.heartbeat_timeout, now=now)
+        self.liveness = Liveness(world_size, heartbeat_timeout=timeouts.heartbeat, now=now)
         self.rendezvous = Rendezvous(
-            world_size, local_ranks=local_ranks, retry_timeout=config.rendezvous_retry
+            world_size, local_ranks=local_ranks, retry_timeout=timeouts.rendezvous_retry
         )
-        self.guard: Guard = make_guard(config.guard.value, config.trend_threshold)
+        self.guard: Guard = make_guard(settings.guard, settings.trend_threshold)
         self.elche = self._new_elche(world_size)
         self.members: tuple[int, ...] = ()
         self._member_set: frozenset[int] = frozenset()
@@ -213,14 +214,14 @@ class CoordinatorMachine:
         return self._new_elche(size)
 
     def _new_elche(self, size: int) -> ElChe:
-        c = self.config
+        c = self.settings.cadence
         return ElChe(
             max(size, 1),
             anchor=c.anchor,
             max_anchor=c.max_anchor,
             overhead_target=c.overhead_target,
             max_batch_diff=c.max_batch_diff,
-            sync_policy=c.policy is Policy.SYNC,
+            sync_policy=self.settings.policy is Policy.SYNC,
             relax_up_on_stable=c.relax_up,
         )
 
@@ -236,7 +237,7 @@ class CoordinatorMachine:
 
     def counts(self) -> dict[int, int]:
         """ElChe's batch count per member (global rank -> batches per window)."""
-        if self.config.policy is Policy.SYNC:
+        if self.settings.policy is Policy.SYNC:
             return dict.fromkeys(self.members, 1)
         counts = self.elche.batch_counts
         return {rank: counts[i] for i, rank in enumerate(self._elche_ranks)}
@@ -488,7 +489,7 @@ class CoordinatorMachine:
 
     def _dispatch_window(self) -> list[Effect]:
         assert self.work is not None
-        cap_epochs = self.config.window_cap_epochs
+        cap_epochs = self.settings.cadence.window_cap_epochs
         if self._progressive and cap_epochs is not None:
             # floDl's window cap: a window holds at most an epoch's batches (by default).
             self.elche.set_max_total_batches(max(int(self.work.epoch_batches * cap_epochs), 1))
@@ -538,9 +539,9 @@ class CoordinatorMachine:
         """Cadence: how many batches ``rank``, out of work before the round triggered, should
         get now (see :mod:`flodl.core.fill`)."""
         if (
-            not self.config.fill_idle_ranks
-            or self.config.policy is not Policy.CADENCE
-            or self.config.max_batch_diff is not None  # a throttled rank would not run it
+            not self.settings.cadence.fill_idle_ranks
+            or self.settings.policy is not Policy.CADENCE
+            or self.settings.cadence.max_batch_diff is not None  # a throttled rank would not run it
             or self.phase is not Phase.TRAINING
             or self._window_wait_until is not None
             or self.rendezvous.pending
@@ -626,8 +627,8 @@ class CoordinatorMachine:
             return self._after_rendezvous(
                 self.rendezvous.begin(now, grown, ms_per_batch=self.ms_per_batch()), now
             )
-        if self.config.policy is Policy.CADENCE and self._movers_awaited():
-            self._window_wait_until = now + self.config.window_wait_ceiling
+        if self.settings.policy is Policy.CADENCE and self._movers_awaited():
+            self._window_wait_until = now + self.settings.timeouts.window_wait
             return []
         return self._start_round(now, delivered=self._progressive)
 
@@ -652,7 +653,7 @@ class CoordinatorMachine:
         return effects
 
     def _feed_elche(self, steps: Sequence[int], delivered: bool, now: float) -> None:
-        if self.config.policy is Policy.SYNC or not any(steps):
+        if self.settings.policy is Policy.SYNC or not any(steps):
             return
         windows: list[RankWindow | None] = []
         for rank in self.members:
@@ -745,7 +746,7 @@ class CoordinatorMachine:
             return effects + self._save(unrecoverable, now, why)
         if not lost:
             return effects
-        if not self.config.collective or (all_exited(losses) and self._all_work_done()):
+        if not self.settings.collective or (all_exited(losses) and self._all_work_done()):
             # Without a collective group there is nothing to re-form: the survivors go on.
             return effects + self._maybe_trigger(now)
         self.cycle.abandon_round()
@@ -763,8 +764,8 @@ class CoordinatorMachine:
             world_size=self.world_size,
             alive=len(self.alive),
             failures=self.liveness.failures,
-            max_failure=self.config.max_failure,
-            collective=self.config.collective,
+            max_failure=self.settings.max_failure,
+            collective=self.settings.collective,
         )
 
     # --- endings ----------------------------------------------------------------------------

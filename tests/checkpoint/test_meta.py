@@ -80,7 +80,7 @@ def test_missing_and_unknown_fields_are_rejected() -> None:
 
 
 def test_completes_the_coordinators_meta() -> None:
-    machine = CoordinatorMachine(3, CoordinatorConfig(), now=0.0)
+    machine = CoordinatorMachine(3, CoordinatorConfig().machine_settings(), now=0.0)
     meta = CheckpointMeta.from_coordinator(
         machine.checkpoint_meta(), created_unix=1_700_000_123.25, flodl_version="9.9"
     )

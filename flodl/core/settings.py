@@ -1,0 +1,73 @@
+"""The settings the coordinator machine decides by: :class:`MachineSettings`.
+
+These are the machine's inputs, not the user's: every value is already checked and every
+default already resolved (the reduce-stall ceiling is a number of seconds, not "default").
+Users set them through :class:`flodl.config.CoordinatorConfig`, which validates what it is
+given and builds these with ``CoordinatorConfig.machine_settings()``; the coordinator shell
+hands them to :class:`~flodl.core.machine.CoordinatorMachine`. Core defines them so that it
+depends on nothing outside itself (the arrows point from the shells and the config into core,
+never back).
+
+All three are frozen attrs classes with keyword-only fields and no defaults, so a value can
+only come from the one place that chooses it.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from flodl.core.cycle import Policy
+from flodl.core.guards import GuardKind
+from flodl.core.liveness import MaxFailure
+
+__all__ = ["CadenceSettings", "MachineSettings", "Timeouts"]
+
+
+@attrs.frozen(kw_only=True)
+class CadenceSettings:
+    """How ElChe sizes the windows between two averages (see :mod:`flodl.core.elche`)."""
+
+    anchor: int
+    """Batches the slowest rank runs per window to begin with (and auto-tune's floor)."""
+    max_anchor: int
+    """The anchor never grows above this."""
+    overhead_target: float
+    """Share of a window spent averaging above which auto-tune proposes a larger anchor."""
+    max_batch_diff: int | None
+    """Throttle ranks this many batches ahead of the slowest; bound on a count's step."""
+    relax_up: bool
+    """Grow the anchor by one after every Stable verdict."""
+    window_cap_epochs: float | None
+    """A window holds at most this many epochs' batches (None: no cap)."""
+    fill_idle_ranks: bool
+    """Cadence: hand a rank that ran its count the batches that fit while others still work."""
+
+
+@attrs.frozen(kw_only=True)
+class Timeouts:
+    """How long the machine waits for each thing before it acts, in seconds."""
+
+    heartbeat: float
+    """Silence after which a rank is dead."""
+    reduce_stall: float
+    """An unacknowledged round past this saves the run (ShutdownWithSave(REDUCE_STALL))."""
+    rendezvous_retry: float
+    """A silent group generator is replaced after this."""
+    window_wait: float
+    """Cadence: longest wait for the completion frames of a window before the round starts."""
+
+
+@attrs.frozen(kw_only=True)
+class MachineSettings:
+    """Everything :class:`~flodl.core.machine.CoordinatorMachine` reads besides its events."""
+
+    policy: Policy
+    cadence: CadenceSettings
+    timeouts: Timeouts
+    guard: GuardKind
+    trend_threshold: float
+    """TrendGuard's threshold (read by the trend guard only)."""
+    max_failure: MaxFailure | None
+    """Failures that end the run with a save (None: only the backend's limits)."""
+    collective: bool
+    """True for gloo/nccl groups: fewer than 2 survivors cannot average (SingleSurvivor)."""
