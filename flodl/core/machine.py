@@ -6,11 +6,12 @@ rendezvous and the epoch chunk pools into the behaviour of a floDl coordinator. 
 returns; the machine never waits, sleeps or sends. That makes every rule testable with plain
 calls, and lets one process simulate thousands of ranks.
 
-Lifecycle: JOINING (every rank connects and sends :class:`~flodl.wire.messages.Ready`) ->
-FORMING (generation 0 of the group: RequestNewGroup / NewGroupReady / NewGroupSession) ->
-TRAINING (windows of ElChe counts; a round averages them) <-> REFORMING (after a death the
-survivors form the next generation, then redo the interrupted round) -> FINISHED (all epochs
-done and Shutdown sent, or a ShutdownWithSave because the run cannot go on).
+Lifecycle (:class:`RunPhase`): JOINING (every rank connects and sends
+:class:`~flodl.wire.messages.Ready`) -> FORMING (generation 0 of the group: RequestNewGroup /
+NewGroupReady / NewGroupSession) -> TRAINING (windows of ElChe counts; a round averages them)
+<-> REFORMING (after a death the survivors form the next generation, then redo the interrupted
+round) -> FINISHED (all epochs done and Shutdown sent, or a ShutdownWithSave because the run
+cannot go on).
 
 Work protocol (what ranks must do, see also :mod:`flodl.core.partitions`): a rank works through
 the sample ranges it is given (StartEpoch, ExtendPartition) in order, one ``Batch`` report per
@@ -74,7 +75,10 @@ class Disconnect:
 Effect = Send | Broadcast | Disconnect
 
 
-class Phase(enum.Enum):
+class RunPhase(enum.Enum):
+    """Where the run is (see the module docstring); ElChe's calibration phase is another thing,
+    :class:`flodl.core.phases.Phase`."""
+
     JOINING = "joining"
     FORMING = "forming"
     TRAINING = "training"
@@ -156,7 +160,7 @@ class CoordinatorMachine:
         self.settings = settings
         self.seed = seed
         self.timeline = Timeline()
-        self.phase = Phase.JOINING
+        self.phase = RunPhase.JOINING
         self.outcome = Outcome(Status.RUNNING)
         self.job: Job | None = None
         self.stats = [RankStats() for _ in range(world_size)]
@@ -229,7 +233,7 @@ class CoordinatorMachine:
 
     @property
     def finished(self) -> bool:
-        return self.phase is Phase.FINISHED
+        return self.phase is RunPhase.FINISHED
 
     @property
     def alive(self) -> frozenset[int]:
@@ -305,7 +309,7 @@ class CoordinatorMachine:
         """The launcher saw ``rank``'s process exit."""
         if self.finished or (returncode == 0 and self.liveness.is_exiting(rank)):
             return []
-        if self.phase is Phase.JOINING:
+        if self.phase is RunPhase.JOINING:
             # The world cannot form without this rank: stop now instead of at the join timeout.
             return self._fail(now, f"rank {rank} exited with code {returncode} before joining")
         loss = self.liveness.on_disconnect(rank, now)
@@ -379,7 +383,7 @@ class CoordinatorMachine:
     # --- joining and forming ----------------------------------------------------------------
 
     def _on_ready(self, rank: int, ready: Ready, now: float) -> list[Effect]:
-        if self.phase is not Phase.JOINING:
+        if self.phase is not RunPhase.JOINING:
             return self._on_rejoin(rank, ready, now)
         job = Job(ready.dataset_size, ready.batch_size, ready.epochs)
         problem = job.problem()
@@ -393,7 +397,7 @@ class CoordinatorMachine:
         if len(self._ready & self.alive) < self.world_size:
             return []
         self._join_deadline = None
-        self.phase = Phase.FORMING
+        self.phase = RunPhase.FORMING
         return self._after_rendezvous(self.rendezvous.form_initial(now), now)
 
     def _on_rejoin(self, rank: int, ready: Ready, now: float) -> list[Effect]:
@@ -409,7 +413,7 @@ class CoordinatorMachine:
 
     def _eligible(self) -> frozenset[int]:
         """Ranks that may be in the next group: alive and (once training) already members."""
-        if self.phase is Phase.FORMING:
+        if self.phase is RunPhase.FORMING:
             return self.alive
         return self.alive & (self._member_set | self._joiners)
 
@@ -439,14 +443,14 @@ class CoordinatorMachine:
         generation = self.rendezvous.generation
         assert generation is not None
         effects: list[Effect] = []
-        if self.phase is Phase.FORMING:
+        if self.phase is RunPhase.FORMING:
             self.members = new_members
             self._member_set = frozenset(new_members)
             for rank in set(range(self.world_size)) - set(new_members):
                 self.cycle.drop_rank(now, rank)
             self._elche_ranks = list(new_members)
             self.elche = self._initial_elche(len(new_members))
-            self.phase = Phase.TRAINING
+            self.phase = RunPhase.TRAINING
             first_epoch = 0 if self._resume is None else self._resume.epoch
             return effects + self._begin_training(first_epoch, now)
         old_index = {rank: i for i, rank in enumerate(self._elche_ranks)}
@@ -463,7 +467,7 @@ class CoordinatorMachine:
         self._joiners -= set(new_members)
         self.members = new_members
         self._member_set = frozenset(new_members)
-        self.phase = Phase.TRAINING
+        self.phase = RunPhase.TRAINING
         self.timeline.add(
             now, EventKind.GROUP_REFORMED, generation=generation, members=list(new_members)
         )
@@ -542,7 +546,7 @@ class CoordinatorMachine:
             not self.settings.cadence.fill_idle_ranks
             or self.settings.policy is not Policy.CADENCE
             or self.settings.cadence.max_batch_diff is not None  # a throttled rank would not run it
-            or self.phase is not Phase.TRAINING
+            or self.phase is not RunPhase.TRAINING
             or self._window_wait_until is not None
             or self.rendezvous.pending
             or self.work is None
@@ -607,7 +611,7 @@ class CoordinatorMachine:
 
     def _maybe_trigger(self, now: float) -> list[Effect]:
         if (
-            self.phase is not Phase.TRAINING
+            self.phase is not RunPhase.TRAINING
             or self.work is None
             or self.rendezvous.pending
             or self._window_wait_until is not None
@@ -622,7 +626,7 @@ class CoordinatorMachine:
         if joiners:
             # Grow the group first; the round then runs with the joiners in it (their mass is
             # zero, so they receive the survivors' average and contribute nothing to it).
-            self.phase = Phase.REFORMING
+            self.phase = RunPhase.REFORMING
             grown = tuple(sorted(set(self.members) | joiners))
             return self._after_rendezvous(
                 self.rendezvous.begin(now, grown, ms_per_batch=self.ms_per_batch()), now
@@ -724,12 +728,12 @@ class CoordinatorMachine:
             self.timeline.add(
                 now, EventKind.RANK_DEAD, rank=loss.rank, cause=loss.cause.value, why=why
             )
-        if self.phase is Phase.JOINING:
+        if self.phase is RunPhase.JOINING:
             return effects
         self._joiners -= {loss.rank for loss in losses}
         lost = [loss.rank for loss in losses if loss.rank in self._member_set]
         survivors = tuple(r for r in self.members if self.liveness.is_alive(r))
-        if self.phase is Phase.FORMING:
+        if self.phase is RunPhase.FORMING:
             if unrecoverable := self._unrecoverable():
                 return self._save(unrecoverable, now, why)
             return self._after_rendezvous(self.rendezvous.poll(now, self.alive), now)
@@ -750,7 +754,7 @@ class CoordinatorMachine:
             # Without a collective group there is nothing to re-form: the survivors go on.
             return effects + self._maybe_trigger(now)
         self.cycle.abandon_round()
-        self.phase = Phase.REFORMING
+        self.phase = RunPhase.REFORMING
         self._window_wait_until = None
         if self.rendezvous.pending:
             retried = self.rendezvous.poll(now, self._eligible())
@@ -771,7 +775,7 @@ class CoordinatorMachine:
     # --- endings ----------------------------------------------------------------------------
 
     def _save(self, reason: SaveReason, now: float, why: str) -> list[Effect]:
-        self.phase = Phase.FINISHED
+        self.phase = RunPhase.FINISHED
         self._window_wait_until = None
         self.outcome = Outcome(Status.SAVED, reason, why)
         self.timeline.add(now, EventKind.SAVE_REQUESTED, reason=reason.name, why=why)
@@ -781,13 +785,13 @@ class CoordinatorMachine:
         if not self.cycle.may_shutdown():
             self._shutdown_pending = True
             return []
-        self.phase = Phase.FINISHED
+        self.phase = RunPhase.FINISHED
         self.outcome = Outcome(Status.COMPLETED, None, why)
         self.timeline.add(now, EventKind.SHUTDOWN, why=why)
         return [Broadcast(Shutdown())]
 
     def _fail(self, now: float, why: str) -> list[Effect]:
-        self.phase = Phase.FINISHED
+        self.phase = RunPhase.FINISHED
         self.outcome = Outcome(Status.FAILED, None, why)
         self.timeline.add(now, EventKind.SHUTDOWN, why=why)
         return [Broadcast(Shutdown())]
