@@ -20,6 +20,7 @@ from flodl.core.guards import GuardKind
 from flodl.core.liveness import MaxFailure
 from flodl.core.settings import CadenceSettings, MachineSettings, Timeouts
 from flodl.errors import ConfigError
+from flodl.wire.handshake import check_session_key
 
 __all__ = [
     "CoordinatorConfig",
@@ -32,7 +33,6 @@ __all__ = [
 
 SESSION_KEY_ENV = "FLODL_SESSION_KEY"
 SESSION_KEY_FILE_ENV = "FLODL_SESSION_KEY_FILE"
-MIN_SESSION_KEY_BYTES = 16
 
 
 def _positive(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -136,15 +136,6 @@ class CoordinatorConfig:
             max_failure=self.max_failure,
             collective=self.collective,
         )
-
-
-def check_session_key(key: bytes) -> bytes:
-    """Return ``key`` if it is long enough to authenticate a session; else raise ConfigError."""
-    if len(key) < MIN_SESSION_KEY_BYTES:
-        raise ConfigError(
-            f"session key must be at least {MIN_SESSION_KEY_BYTES} bytes, got {len(key)}"
-        )
-    return key
 
 
 def session_key_from_env(environ: dict[str, str] | None = None) -> bytes:

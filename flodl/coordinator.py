@@ -40,7 +40,7 @@ import attrs
 import trio
 
 from flodl.admission import serve_ranks
-from flodl.config import CoordinatorConfig, check_session_key
+from flodl.config import CoordinatorConfig
 from flodl.core.effects import Broadcast, Send
 from flodl.core.machine import CoordinatorMachine, Disconnect, Effect, Outcome, ResumeState
 from flodl.core.timeline import Timeline
@@ -58,6 +58,7 @@ from flodl.transports.channel_reader import ChannelReader
 from flodl.transports.errors import STREAM_ERRORS
 from flodl.transports.readers import reader_for
 from flodl.wire.codec import EncodedMessage, encode_message
+from flodl.wire.handshake import check_session_key
 from flodl.wire.messages import CoordHeartbeat, Message
 
 _Outgoing = Message | EncodedMessage
