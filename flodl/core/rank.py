@@ -45,7 +45,6 @@ from flodl.core.rank_effects import (
     DoomGroup,
     Finish,
     GiveUp,
-    HandOut,
     Ignored,
     JoinGroup,
     PrepareGroup,
@@ -55,11 +54,11 @@ from flodl.core.rank_effects import (
     SaveAndStop,
     SaveCheckpoint,
     Send,
-    Wait,
     Wake,
 )
 from flodl.core.rank_state import ENDING_STATES, TERMINAL, Move, RankState, next_state
-from flodl.core.work import BatchSlice, WorkQueue
+from flodl.core.rank_work import RankWork
+from flodl.core.work import BatchSlice
 from flodl.errors import ConfigError, FlodlError, OutOfTurn, ShutdownRequested, UnexpectedMessage
 from flodl.wire.messages import (
     Batch,
@@ -72,7 +71,6 @@ from flodl.wire.messages import (
     ExtendPartition,
     Heartbeat,
     Message,
-    Metrics,
     NewGroupSession,
     Note,
     Ready,
@@ -106,19 +104,6 @@ class RoundFigures(Protocol):
 
 
 @attrs.define
-class _Chunk:
-    """The run of batches since the work last ran dry (reported by one Metrics)."""
-
-    epoch: int
-    started_at: float
-    batches: int = 0
-    samples: int = 0
-    loss_sum: float = 0.0
-    losses: int = 0
-    idle_s: float = 0.0
-
-
-@attrs.define
 class _Background:
     """An Async round reducing a snapshot of ``batches`` batches."""
 
@@ -144,8 +129,6 @@ class RankMachine:
         """The run's global step as last set by the coordinator (SetGlobalStep)."""
         self.since_average = 0
         """Batches run since the last average this rank took part in."""
-        self.epoch = 0
-        """The epoch of the batch handed out last."""
         self.idle_s = 0.0
         """Seconds lost at batch boundaries while training (waiting for work or for a round
         to start, throttled); averaging is counted apart, in ``averaging_s``."""
@@ -157,16 +140,11 @@ class RankMachine:
         self.exit_reason: str | None = None
         self.error: FlodlError | None = None
         """Why the rank is LOST or STOPPED: what every later boundary raises."""
-        self.current: BatchSlice | None = None
-        """The batch handed out and not reported done."""
-        self.reserved: BatchSlice | None = None
-        """The batch reserved ahead for a training thread (see :meth:`reserve`)."""
         self.throttled = False
-        self._queue: WorkQueue | None = None
+        self.work: RankWork | None = None
+        """The batches: queued, out, reserved (set when the job is announced)."""
         self._inbox: deque[Message] = deque()
-        self._chunk: _Chunk | None = None
         self._background: _Background | None = None
-        self._handed_out_at = now
         self._entered_at: float | None = None
         self._averaging_at_entry = 0.0
         self._handed_out_any = False
@@ -193,6 +171,21 @@ class RankMachine:
         return self.state is RankState.TRAINING
 
     @property
+    def current(self) -> BatchSlice | None:
+        """The batch handed out and not reported done."""
+        return None if self.work is None else self.work.current
+
+    @property
+    def reserved(self) -> BatchSlice | None:
+        """The batch reserved ahead for a training thread (see :meth:`reserve`)."""
+        return None if self.work is None else self.work.reserved
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the batch handed out last."""
+        return 0 if self.work is None else self.work.epoch
+
+    @property
     def queued(self) -> int:
         """Messages waiting for the next batch boundary."""
         return len(self._inbox)
@@ -212,7 +205,7 @@ class RankMachine:
         job.check()
         self.raise_if_lost()
         self.job = job
-        self._queue = WorkQueue(job.batch_size, job.dataset_size)
+        self.work = RankWork(self.rank, job)
         if self.state is not RankState.JOINED:
             return []  # the run ended before the job was described: nothing to announce
         self._move(Move.ANNOUNCE)
@@ -275,7 +268,8 @@ class RankMachine:
 
     def _on_training_message(self, message: Message) -> list[Reaction]:
         if isinstance(message, StartEpoch | ExtendPartition):
-            if not self._inbox and self._queue_now(message):
+            assert self.work is not None
+            if not self._inbox and self.work.add_now(message):
                 return [Wake(boundary=False)]
             self._inbox.append(message)
         elif isinstance(message, SyncNow):
@@ -295,15 +289,6 @@ class RankMachine:
         else:
             return [Ignored(message, "not a message for a rank")]
         return [Wake()]
-
-    def _queue_now(self, message: StartEpoch | ExtendPartition) -> bool:
-        """Queue work without a boundary; False when it is bad (the boundary raises it)."""
-        assert self._queue is not None
-        try:
-            self._queue.add(message)
-        except FlodlError:
-            return False
-        return True
 
     def _on_shutdown(self, message: Shutdown | ShutdownWithSave) -> list[Reaction]:
         if self.ending:
@@ -336,9 +321,8 @@ class RankMachine:
             self.startup_s += waited
         else:
             self.idle_s += waited
-            chunk = self._chunk
-            if chunk is not None and entered >= chunk.started_at:
-                chunk.idle_s += waited
+            assert self.work is not None
+            self.work.count_idle(waited, entered)
         if self.current is not None:
             self._handed_out_any = True
 
@@ -368,63 +352,22 @@ class RankMachine:
             return [step]
         if self._background is not None and self._background.landed:
             return [Blend(self._background.sync)]
-        return self._work_step(now)
+        assert self.work is not None
+        return list(self.work.next_step(now, self.throttled))
 
     def _next_queued(self) -> Average | SaveCheckpoint | None:
         """Carry out the inbox in order up to the first message that needs a step."""
-        assert self._queue is not None
+        assert self.work is not None
         while self._inbox:
             message = self._inbox.popleft()
             if isinstance(message, StartEpoch | ExtendPartition):
-                self._queue.add(message)  # ProtocolError for bad work reaches the loop
+                self.work.queue.add(message)  # ProtocolError for bad work reaches the loop
             elif isinstance(message, SyncNow):
                 return Average(message, background=self.policy is Policy.ASYNC)
             elif isinstance(message, Checkpoint):
                 if message.target_rank == self.rank:
                     return SaveCheckpoint(message)
         return None
-
-    def _work_step(self, now: float) -> list[RankEffect]:
-        queue = self._queue
-        assert queue is not None
-        effects: list[RankEffect] = []
-        if not self.throttled:
-            reserved = self.reserved
-            if reserved is not None:  # reserved earlier: it comes first
-                self.reserved = None
-                return [self._hand_out(reserved, now, reserved=True)]
-            batch = queue.next_batch()
-            if batch is not None:
-                if self._chunk is not None and self._chunk.epoch != batch.epoch:
-                    effects += self._close_chunk(now)  # tallies are per epoch
-                return [*effects, self._hand_out(batch, now)]
-        if queue.empty and self._chunk is not None and self.reserved is None:
-            effects += self._close_chunk(now)  # at the barrier: the completion frame
-        return [*effects, Wait()]
-
-    def _hand_out(self, batch: BatchSlice, now: float, reserved: bool = False) -> HandOut:
-        if self._chunk is None:
-            self._chunk = _Chunk(epoch=batch.epoch, started_at=now)
-        self.epoch = batch.epoch
-        self.current = batch
-        self._handed_out_at = now
-        return HandOut(batch, reserved)
-
-    def _close_chunk(self, now: float) -> list[RankEffect]:
-        chunk, self._chunk = self._chunk, None
-        if chunk is None:
-            return []
-        avg = chunk.loss_sum / chunk.losses if chunk.losses else math.nan
-        metrics = Metrics(
-            rank=self.rank,
-            epoch=chunk.epoch,
-            avg_loss=avg,
-            batches_processed=chunk.batches,
-            samples_processed=chunk.samples,
-            epoch_ms=max(now - chunk.started_at, 0.0) * 1000.0,
-            scalars=(("idle_ms", chunk.idle_s * 1000.0),),
-        )
-        return [Send(metrics)]
 
     def _goodbye(self, move: Move, why: str, exit_reason: str) -> list[RankEffect]:
         self._move(move)
@@ -438,53 +381,38 @@ class RankMachine:
         boundary, when nothing needs one first: no message queued, not throttled, not ending,
         no landed round, and the batch continues the current chunk (same epoch). None: no
         batch can be reserved now."""
-        queue, chunk, background = self._queue, self._chunk, self._background
+        background = self._background
         if (
-            queue is None
-            or chunk is None
-            or self.reserved is not None
+            self.work is None
             or self.state is not RankState.TRAINING
             or self._inbox
             or self.throttled
             or (background is not None and background.landed)
-            or queue.head_epoch != chunk.epoch
         ):
             return None
-        self.reserved = queue.next_batch()
-        return self.reserved
+        return self.work.reserve()
 
     def take_reserved(self, now: float) -> list[RankEffect]:
         """The training thread took the reserved batch: it is the current one now (a
         current batch not reported done is reported with a NaN loss first)."""
-        batch = self.reserved
-        if batch is None:
+        if self.reserved is None:
             raise OutOfTurn("take_reserved() with no batch reserved")
         effects = self.batch_done(math.nan, 0.0, now) if self.current is not None else []
-        self.reserved = None
-        self.current = batch
-        self._handed_out_at = now
-        self.epoch = batch.epoch
+        assert self.work is not None
+        self.work.take_reserved(now)
         return effects
 
     def batch_done(self, loss: float, data_ms: float, now: float) -> list[RankEffect]:
         """The current batch finished with ``loss``: ``Batch`` (OutOfTurn if none is out)."""
-        current = self.current
-        if current is None:
-            raise OutOfTurn("batch_done() without a batch handed out by next_batch()")
-        self.current = None
+        if self.work is None:
+            raise OutOfTurn("batch_done() before the job was announced")
+        batch_ms = self.work.finish(loss, now)
         self.batches += 1
         self.step_count += 1
         self.since_average += 1
-        chunk = self._chunk
-        if chunk is not None:
-            chunk.batches += 1
-            chunk.samples += current.size
-            if math.isfinite(loss):
-                chunk.loss_sum += loss
-                chunk.losses += 1
         report = Batch(
             rank=self.rank,
-            batch_ms=max(now - self._handed_out_at, 0.0) * 1000.0,
+            batch_ms=batch_ms,
             data_ms=max(float(data_ms), 0.0),
             step_count=self.step_count,
             batch_loss=float(loss),
