@@ -28,12 +28,12 @@ from typing import Any
 import attrs
 import trio
 
+from flodl.checkpoint.resume import plan_resume, save_coordinator_meta
 from flodl.config import CoordinatorConfig
 from flodl.coordinator import Coordinator, open_coordinator
 from flodl.core.machine import Status
 from flodl.core.timeline import EventKind
 from flodl.errors import ConfigError
-from flodl.resume import plan_resume, save_coordinator_meta
 
 KEY_FILE_NAME = "session.key"
 SUMMARY_NAME = "summary.json"
