@@ -11,7 +11,8 @@ from pathlib import Path
 
 import trio
 
-from flodl.config import CoordinatorConfig, Policy, session_key_from_env
+from flodl.config import CoordinatorConfig, Policy
+from flodl.environment import RankEnv, session_key_from_env
 from flodl.errors import FlodlError
 
 
@@ -137,21 +138,19 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     session_key_from_env()  # fail early, here, if the key is missing
-    env = dict(os.environ)
-    env.update(
-        {
-            "RANK": str(args.rank),
-            "WORLD_SIZE": str(args.world_size),
-            "LOCAL_RANK": "0",
-            "LOCAL_WORLD_SIZE": "1",
-            "FLODL_COORDINATOR": args.coordinator,
-            "FLODL_BACKEND": args.backend,
-            "FLODL_POLICY": args.policy,
-            "FLODL_HEARTBEAT_TIMEOUT": str(args.heartbeat_timeout),
-            "FLODL_HOST": args.host,
-            "FLODL_RUN_DIR": str(args.run_dir.resolve()),
-        }
+    rank_env = RankEnv(
+        coordinator=args.coordinator,
+        rank=args.rank,
+        world_size=args.world_size,
+        local_rank=0,
+        local_world_size=1,
+        backend=args.backend,
+        policy=Policy(args.policy),
+        heartbeat_timeout=args.heartbeat_timeout,
+        host=args.host,
+        run_dir=args.run_dir.resolve(),
     )
+    env = {**os.environ, **rank_env.variables()}
     args.run_dir.mkdir(parents=True, exist_ok=True)
     os.execvpe(sys.executable, [sys.executable, args.script, *args.script_args], env)
 

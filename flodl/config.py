@@ -9,8 +9,6 @@ the session key from the environment or a file, never from the command line.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -19,6 +17,7 @@ from flodl.core.cycle import Policy, default_reduce_stall_ceiling
 from flodl.core.guards import GuardKind
 from flodl.core.liveness import MaxFailure
 from flodl.core.settings import CadenceSettings, MachineSettings, Timeouts
+from flodl.environment import session_key_from_env
 from flodl.errors import ConfigError
 from flodl.wire.handshake import check_session_key
 
@@ -30,9 +29,6 @@ __all__ = [
     "check_session_key",
     "session_key_from_env",
 ]
-
-SESSION_KEY_ENV = "FLODL_SESSION_KEY"
-SESSION_KEY_FILE_ENV = "FLODL_SESSION_KEY_FILE"
 
 
 def _positive(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -136,30 +132,3 @@ class CoordinatorConfig:
             max_failure=self.max_failure,
             collective=self.collective,
         )
-
-
-def session_key_from_env(environ: dict[str, str] | None = None) -> bytes:
-    """The session key from ``FLODL_SESSION_KEY`` (hex) or the file ``FLODL_SESSION_KEY_FILE``.
-
-    Keys never travel on a command line, where other users could read them from the process
-    table. Raises ConfigError if neither is set or the key is malformed or too short.
-    """
-    env = os.environ if environ is None else environ
-    if SESSION_KEY_ENV in env:
-        try:
-            key = bytes.fromhex(env[SESSION_KEY_ENV].strip())
-        except ValueError:
-            raise ConfigError(f"{SESSION_KEY_ENV} must be hex") from None
-        return check_session_key(key)
-    if SESSION_KEY_FILE_ENV in env:
-        path = Path(env[SESSION_KEY_FILE_ENV])
-        try:
-            raw = path.read_bytes().strip()
-        except OSError as err:
-            raise ConfigError(f"cannot read session key file {path}: {err}") from None
-        try:
-            key = bytes.fromhex(raw.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            key = raw
-        return check_session_key(key)
-    raise ConfigError(f"no session key: set {SESSION_KEY_ENV} (hex) or {SESSION_KEY_FILE_ENV}")

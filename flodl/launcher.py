@@ -33,6 +33,7 @@ from flodl.config import CoordinatorConfig
 from flodl.coordinator import Coordinator, open_coordinator
 from flodl.core.machine import Status
 from flodl.core.timeline import EventKind
+from flodl.environment import SESSION_KEY, RankEnv
 from flodl.errors import ConfigError
 
 KEY_FILE_NAME = "session.key"
@@ -94,32 +95,38 @@ def write_session_key(run_dir: Path, key: bytes) -> Path:
 
 
 def rank_environment(
-    config: LaunchConfig, rank: int, url: str, key_file: Path, master_port: int
+    config: LaunchConfig,
+    rank: int,
+    url: str,
+    key_file: Path,
+    master_port: int,
+    resume: Path | None = None,
 ) -> dict[str, str]:
-    """The environment of rank ``rank``: the parent's, plus what a flodl rank reads."""
+    """The environment of rank ``rank``: the parent's, plus what a flodl rank reads (the key
+    by file only: a key inherited in the environment would be the wrong one)."""
     env = dict(os.environ)
-    env.pop("FLODL_SESSION_KEY", None)
-    run_dir = config.run_dir.resolve()
-    env.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(config.nproc),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(config.nproc),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(master_port),
-            "FLODL_COORDINATOR": url,
-            "FLODL_SESSION_KEY_FILE": str(key_file.resolve()),
-            "FLODL_BACKEND": config.backend,
-            "FLODL_POLICY": config.coordinator.policy.value,
-            "FLODL_HEARTBEAT_TIMEOUT": str(config.coordinator.heartbeat_timeout),
-            "FLODL_HEARTBEAT_INTERVAL": str(config.coordinator.heartbeat_interval),
-            "FLODL_RUN_DIR": str(run_dir),
-            "FLODL_SEED": str(config.seed),
-            "FLODL_HOST": "127.0.0.1",
-            "PYTHONUNBUFFERED": "1",
-        }
+    env.pop(SESSION_KEY, None)
+    coordinator = config.coordinator
+    rank_env = RankEnv(
+        coordinator=url,
+        rank=rank,
+        world_size=config.nproc,
+        local_rank=rank,
+        local_world_size=config.nproc,
+        session_key_file=key_file.resolve(),
+        master_addr="127.0.0.1",
+        master_port=master_port,
+        backend=config.backend,
+        policy=coordinator.policy,
+        heartbeat_timeout=coordinator.heartbeat_timeout,
+        heartbeat_interval=coordinator.heartbeat_interval,
+        run_dir=config.run_dir.resolve(),
+        seed=config.seed,
+        host="127.0.0.1",
+        resume=None if resume is None else resume.resolve(),
     )
+    env.update(rank_env.variables())
+    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
@@ -244,9 +251,14 @@ async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str,
             async with trio.open_nursery() as nursery:
 
                 async def start_rank(rank: int) -> trio.Process:
-                    env = rank_environment(config, rank, coordinator.url, key_file, master_port)
-                    if plan is not None:
-                        env["FLODL_RESUME"] = str(plan.bundle.resolve())
+                    env = rank_environment(
+                        config,
+                        rank,
+                        coordinator.url,
+                        key_file,
+                        master_port,
+                        resume=None if plan is None else plan.bundle,
+                    )
                     return await trio.lowlevel.open_process(
                         [config.python, config.script, *config.script_args],
                         env=env,
