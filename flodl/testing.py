@@ -274,13 +274,13 @@ class ScriptedRank:
         """The training loop: batch boundaries and (simulated) batches until the end."""
         machine = self.machine
         while True:
-            waited_before = machine.idle_s + machine.startup_s
+            waited_before = machine.times.idle_s + machine.times.startup_s
             machine.enter_boundary(trio.current_time())
             try:
                 batch = await self._boundary(channel)
             finally:
                 machine.leave_boundary(trio.current_time())
-                self.record.idle_s += machine.idle_s + machine.startup_s - waited_before
+                self.record.idle_s += machine.times.idle_s + machine.times.startup_s - waited_before
             if batch is None:
                 return
             await self._train_batch(channel, batch)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 
@@ -57,6 +57,7 @@ from flodl.core.rank_effects import (
     Wake,
 )
 from flodl.core.rank_state import ENDING_STATES, TERMINAL, Move, RankState, next_state
+from flodl.core.rank_times import RankTimes
 from flodl.core.rank_work import RankWork
 from flodl.core.work import BatchSlice
 from flodl.errors import ConfigError, FlodlError, OutOfTurn, ShutdownRequested, UnexpectedMessage
@@ -129,13 +130,7 @@ class RankMachine:
         """The run's global step as last set by the coordinator (SetGlobalStep)."""
         self.since_average = 0
         """Batches run since the last average this rank took part in."""
-        self.idle_s = 0.0
-        """Seconds lost at batch boundaries while training (waiting for work or for a round
-        to start, throttled); averaging is counted apart, in ``averaging_s``."""
-        self.averaging_s = 0.0
-        """Seconds spent averaging (SyncNow to SyncAck; Async: blending a landed round in)."""
-        self.startup_s = 0.0
-        """From the start to the first batch (group formation, waiting for peers)."""
+        self.times = RankTimes()
         self.last_epoch: EpochAggregated | None = None
         self.exit_reason: str | None = None
         self.error: FlodlError | None = None
@@ -145,9 +140,6 @@ class RankMachine:
         """The batches: queued, out, reserved (set when the job is announced)."""
         self._inbox: deque[Message] = deque()
         self._background: _Background | None = None
-        self._entered_at: float | None = None
-        self._averaging_at_entry = 0.0
-        self._handed_out_any = False
         self._save_reason: SaveReason | None = None
 
     # --- the lifecycle -----------------------------------------------------------------------
@@ -232,6 +224,12 @@ class RankMachine:
         if self.exit_reason is None:
             self.exit_reason = reason
 
+    def tallies(self) -> dict[str, Any]:
+        """What this rank did, for its exit report (``rank<N>.json``)."""
+        counts = {"steps": self.step_count, "batches": self.batches, "syncs": self.syncs}
+        times = {k: getattr(self.times, k) for k in ("idle_s", "averaging_s", "startup_s")}
+        return {**counts, "global_step": self.global_step, **times, "exit_reason": self.exit_reason}
+
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(rank=self.rank, step_count=self.step_count)
 
@@ -307,30 +305,20 @@ class RankMachine:
         """The training loop waits for its next batch from ``now`` (see :meth:`boundary`)."""
         if self.job is None:
             raise OutOfTurn("announce the job (dataset_size, batch_size, epochs) first")
-        self._entered_at = now
-        self._averaging_at_entry = self.averaging_s
+        self.times.enter(now)
 
     def leave_boundary(self, now: float) -> None:
         """The wait ended (a batch, the end, an error or cancellation): count the time lost
         in it, averaging excluded. Idempotent."""
-        entered, self._entered_at = self._entered_at, None
-        if entered is None:
-            return
-        waited = now - entered - (self.averaging_s - self._averaging_at_entry)
-        if not self._handed_out_any:
-            self.startup_s += waited
-        else:
-            self.idle_s += waited
-            assert self.work is not None
-            self.work.count_idle(waited, entered)
-        if self.current is not None:
-            self._handed_out_any = True
+        idle = self.times.leave(now, handed_out=self.current is not None)
+        if idle is not None and self.work is not None:
+            self.work.count_idle(*idle)
 
     def boundary(self, now: float) -> list[RankEffect]:
         """The next thing to do at the boundary: reactions, then one step (see
         :mod:`flodl.core.rank_effects`). After a step that takes time, report its end, then
         call again; after :class:`Wait`, call again once something changed."""
-        if self._entered_at is None:
+        if not self.times.in_boundary:
             raise OutOfTurn("boundary() outside enter_boundary() / leave_boundary()")
         state = self.state
         if state is RankState.LOST or state is RankState.STOPPED:
@@ -436,7 +424,7 @@ class RankMachine:
     ) -> list[RankEffect]:
         """A collective for ``sync`` ended after ``elapsed_s``: with its figures, SyncAck;
         None (failed or abandoned): no ack, the coordinator re-forms and redoes the round."""
-        self.averaging_s += elapsed_s
+        self.times.averaging_s += elapsed_s
         if figures is None:
             return []
         self.since_average = 0
@@ -463,7 +451,7 @@ class RankMachine:
         if round_ is None or not round_.landed:
             raise OutOfTurn("blend_finished() with no landed background round")
         self._background = None
-        self.averaging_s += elapsed_s
+        self.times.averaging_s += elapsed_s
         if figures is None:
             self.since_average += round_.batches
             return []

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from flodl.errors import BackendError
-from flodl.wire.messages import NewGroupSession
+from flodl.wire.messages import Message, NewGroupReady, NewGroupSession, Note, RequestNewGroup
 
 if TYPE_CHECKING:
     from flodl.backends import Backend
@@ -57,6 +57,16 @@ class GroupMembership:
         if self._join_scope is not None:
             self._join_scope.cancel()
         self._sessions_send.send_nowait(session)
+
+    def prepare(self, request: RequestNewGroup, host: str) -> Message:
+        """Host generation ``request.generation``: NewGroupReady with its rendezvous info, or
+        a Note saying why this rank cannot (the coordinator then asks another)."""
+        try:
+            info = self._backend.prepare_group(request.generation, host)
+        except BackendError as err:
+            log.warning("rank %d: cannot host group %d: %s", self._rank, request.generation, err)
+            return Note(rank=self._rank, detail=str(err)[:200])
+        return NewGroupReady(rank=self._rank, generation=request.generation, info=info)
 
     def doom(self) -> None:
         """A member died: no round of any generation joined or announced so far will run."""

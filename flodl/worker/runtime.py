@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -51,31 +50,26 @@ from flodl.core.rank_effects import (
     Wait,
     Wake,
 )
-from flodl.core.rank_state import RankState
 from flodl.core.work import BatchSlice, EpochOrders
 from flodl.errors import (
-    BackendError,
     CheckpointError,
     CoordinatorError,
     FlodlError,
     OutOfTurn,
-    TransportError,
 )
-from flodl.transports import connect
-from flodl.transports.channel import Channel, connect_rank
+from flodl.transports.channel import Channel
 from flodl.wire.messages import (
-    Checkpoint,
     EpochAggregated,
     Message,
-    NewGroupReady,
-    Note,
-    RequestNewGroup,
 )
 from flodl.worker.config import WorkerConfig
+from flodl.worker.link import beat, open_channel, receive_until_lost
 from flodl.worker.membership import GroupMembership
-from flodl.worker.persist import SavePoint, restore_rank_bundle, save_rank_bundle
+from flodl.worker.outbox import Outbox
+from flodl.worker.persist import restore_rank_bundle
 from flodl.worker.records import report_path, write_death_record, write_json_atomic
 from flodl.worker.rounds import RoundRunner
+from flodl.worker.saving import BundleSaver
 from flodl.worker.staging import StagedBatch
 from flodl.worker.wakeup import Wakeup
 
@@ -87,8 +81,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("flodl.worker")
 
 __all__ = ["Assignment", "Worker", "open_worker"]
-
-_BROKEN = (TransportError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 @attrs.frozen
@@ -123,13 +115,12 @@ class Worker:
             config.rank, config.world_size, config.policy, trio.current_time()
         )
         self.final_metrics: dict[str, float] = {}
-        self.checkpoint_path: str | None = None
         self._started_at = trio.current_time()
         self._channel: Channel | None = None
         self._nursery: trio.Nursery | None = None
         self._orders: EpochOrders | None = None
-        self._outbox: deque[Message] = deque()
-        self._flushing = False
+        self._outbox = Outbox(self._lost)
+        self._saver = BundleSaver(self.machine, config.run_dir, model, optimizer)
         self._staged: StagedBatch[Assignment] = StagedBatch()
         """The batch after the current one, takeable by a training thread (see staging.py)."""
         self._wakeup = Wakeup(self._staged.invalidate)
@@ -184,6 +175,11 @@ class Worker:
         return self._rounds.param_hashes
 
     @property
+    def checkpoint_path(self) -> str | None:
+        """The newest bundle this rank wrote."""
+        return self._saver.latest
+
+    @property
     def wall_s(self) -> float:
         return trio.current_time() - self._started_at
 
@@ -199,7 +195,7 @@ class Worker:
         if first:
             self._orders = EpochOrders(self.config.seed, dataset_size)
         self._perform(effects)
-        await self._flush()
+        await self._outbox.flush()
         self.machine.raise_if_lost()
 
     async def next_batch(self) -> Assignment | None:
@@ -253,7 +249,7 @@ class Worker:
         coordinator (the next :meth:`next_batch` does).
         """
         self._perform(self.machine.batch_done(loss, data_ms, trio.current_time()))
-        await self._flush()
+        await self._outbox.flush()
 
     def batch_done_soon(self, loss: float, data_ms: float = 0.0) -> None:
         """:meth:`batch_done` for a caller that will not wait (another thread, through
@@ -284,59 +280,34 @@ class Worker:
             self._staged.offer(self._assignment_of(batch))
 
     def _perform(self, effects: Iterable[RankEffect]) -> None:
-        """Carry out reactions at once; sends join the outbox (see :meth:`_flush`)."""
+        """Carry out reactions at once; sends join the outbox (flushed by the caller)."""
         for effect in effects:
             if isinstance(effect, Send):
-                self._outbox.append(effect.message)
+                self._outbox.put(effect.message)
             elif isinstance(effect, Wake):
                 self._wakeup.notify(boundary_needed=effect.boundary)
             elif isinstance(effect, CancelRound):
                 self._rounds.cancel()
             elif isinstance(effect, DoomGroup):
-                log.info(
-                    "rank %d: rank %d declared dead; abandoning its group",
-                    self.rank,
-                    effect.dead_rank,
-                )
+                dead = effect.dead_rank
+                log.info("rank %d: rank %d declared dead; abandoning its group", self.rank, dead)
                 self._membership.doom()
             elif isinstance(effect, PrepareGroup):
-                self._prepare_group(effect.request)
+                self._outbox.put(self._membership.prepare(effect.request, self.config.host))
             elif isinstance(effect, JoinGroup):
                 self._membership.announce(effect.session)
             elif isinstance(effect, GiveUp):
                 self._give_up(effect.error)
             elif isinstance(effect, Ignored):
-                log.warning(
-                    "rank %d: ignoring %s: %s", self.rank, type(effect.message).__name__, effect.why
-                )
+                kind = type(effect.message).__name__
+                log.warning("rank %d: ignoring %s: %s", self.rank, kind, effect.why)
             else:
                 raise OutOfTurn(f"{type(effect).__name__} is a boundary step, not a reaction")
 
     def _post(self, effects: Iterable[RankEffect]) -> None:
         """:meth:`_perform`, with the sends flushed from a task of their own."""
         self._perform(effects)
-        if self._outbox and not self._flushing and self._nursery is not None:
-            self._flushing = True
-            self._nursery.start_soon(self._flush)
-
-    async def _flush(self) -> None:
-        """Send the outbox in order. A message is taken off the queue and queued for the
-        channel's (fair) send lock in one step, so concurrent flushes keep the order."""
-        try:
-            while self._outbox:
-                await self._send(self._outbox.popleft())
-        finally:
-            self._flushing = False
-
-    async def _send(self, message: Message) -> None:
-        """Send, turning a broken connection into a lost coordinator (never raises for it)."""
-        channel = self._channel
-        if channel is None or self.machine.state is RankState.LOST:
-            return
-        try:
-            await channel.send(message)
-        except _BROKEN as err:
-            self._lost(CoordinatorError(f"lost the connection to the coordinator: {err}"))
+        self._outbox.flush_soon(self._nursery)
 
     def _lost(self, error: FlodlError) -> None:
         self._perform(self.machine.connection_lost(error))
@@ -351,16 +322,8 @@ class Worker:
             log.error("rank %d: %s (death record: %s)", self.rank, error, path)
         except (OSError, CheckpointError) as err:
             log.error("rank %d: %s (could not write the death record: %s)", self.rank, error, err)
+        self._outbox.closed = True
         self._membership.stop_joining()
-
-    def _prepare_group(self, request: RequestNewGroup) -> None:
-        try:
-            info = self.backend.prepare_group(request.generation, self.config.host)
-        except BackendError as err:
-            log.warning("rank %d: cannot host group %d: %s", self.rank, request.generation, err)
-            self._outbox.append(Note(rank=self.rank, detail=str(err)[:200]))
-            return
-        self._outbox.append(NewGroupReady(rank=self.rank, generation=request.generation, info=info))
 
     # --- the batch boundary -----------------------------------------------------------------
 
@@ -372,7 +335,7 @@ class Worker:
             effects = machine.boundary(trio.current_time())
             step = effects.pop()
             self._perform(effects)
-            await self._flush()
+            await self._outbox.flush()
             if isinstance(step, HandOut):
                 if step.reserved:
                     self._staged.reclaim()
@@ -390,107 +353,26 @@ class Worker:
             elif isinstance(step, Blend):
                 after = await self._rounds.blend()
             elif isinstance(step, SaveCheckpoint):
-                after = await self._checkpoint(step.request)
+                after = await self._saver.checkpoint(step.request)
             elif isinstance(step, SaveAndStop):
-                after = await self._save_and_stop(step.reason)
+                after = await self._saver.save_and_stop(step.reason)
             self._perform(after)
-            await self._flush()
+            await self._outbox.flush()
             machine.raise_if_lost()
-
-    # --- saving -----------------------------------------------------------------------------
-
-    async def _save_bundle(self, reason: str | None, stem: str | None = None) -> Path:
-        """Save this rank's bundle in a worker thread and remember it as the latest."""
-        machine = self.machine
-        point = SavePoint(
-            epoch=machine.epoch,
-            global_step=machine.global_step,
-            sync_round=machine.syncs,
-            world_size=self.world_size,
-            reason=reason,
-        )
-        path = await trio.to_thread.run_sync(
-            lambda: save_rank_bundle(
-                self.config.run_dir, self.rank, self.model, self.optimizer, point, stem=stem
-            )
-        )
-        self.checkpoint_path = str(path)
-        return path
-
-    async def _checkpoint(self, request: Checkpoint) -> list[RankEffect]:
-        started = trio.current_time()
-        error: str | None = None
-        try:
-            await self._save_bundle(None, stem=f"flodl-v{request.version:06d}")
-        except CheckpointError as err:
-            error = str(err)
-        elapsed_ms = (trio.current_time() - started) * 1000.0
-        return self.machine.checkpoint_finished(request, elapsed_ms, error)
-
-    async def _save_and_stop(self, reason: str) -> list[RankEffect]:
-        try:
-            outcome = f"saved to {await self._save_bundle(reason)}"
-        except CheckpointError as err:
-            outcome = f"the save failed: {err}"
-        return self.machine.save_finished(outcome)
-
-    # --- background tasks -------------------------------------------------------------------
-
-    async def _receive_loop(self) -> None:
-        channel = self._channel
-        assert channel is not None
-        timeout = self.config.heartbeat_timeout
-        try:
-            while True:
-                with trio.move_on_after(timeout) as scope:
-                    message = await channel.receive()
-                if scope.cancelled_caught:
-                    self._lost(
-                        CoordinatorError(
-                            f"the coordinator has been silent for {timeout:g} s "
-                            "(FLODL_HEARTBEAT_TIMEOUT); giving up on it"
-                        )
-                    )
-                    return
-                self._post(self.machine.receive(message))
-                self._reserve_next()
-        except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError) as err:
-            self._lost(CoordinatorError(f"lost the connection to the coordinator: {err}"))
-
-    async def _heartbeat_loop(self) -> None:
-        """Beat every ``heartbeat_interval`` until the coordinator is lost or the block ends."""
-        interval = self.config.heartbeat_interval
-        next_beat = trio.current_time()
-        while self.machine.state is not RankState.LOST:
-            next_beat += interval
-            await trio.sleep_until(next_beat)
-            await self._send(self.machine.heartbeat())
 
     # --- lifecycle --------------------------------------------------------------------------
 
-    async def _connect(self) -> None:
-        config = self.config
-        try:
-            with trio.fail_after(config.heartbeat_timeout):
-                stream = await connect(config.coordinator)
-                try:
-                    self._channel = await connect_rank(
-                        stream, config.session_key, config.rank, config.world_size
-                    )
-                except BaseException:
-                    await trio.aclose_forcefully(stream)
-                    raise
-        except trio.TooSlowError:
-            raise CoordinatorError(
-                f"rank {config.rank}: no handshake with the coordinator at {config.coordinator} "
-                f"within {config.heartbeat_timeout:g} s"
-            ) from None
-        self._started_at = trio.current_time()
+    def _on_message(self, message: Message) -> None:
+        self._post(self.machine.receive(message))
+        self._reserve_next()
 
     def _start_tasks(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
-        nursery.start_soon(self._receive_loop)
-        nursery.start_soon(self._heartbeat_loop)
+        channel, config = self._channel, self.config
+        assert channel is not None
+        timeout = config.heartbeat_timeout
+        nursery.start_soon(receive_until_lost, channel, timeout, self._on_message, self._lost)
+        nursery.start_soon(beat, self._outbox, config.heartbeat_interval, self.machine.heartbeat)
         nursery.start_soon(self._membership.join_announced)
 
     def note_exit(self, error: BaseException | None) -> None:
@@ -504,21 +386,13 @@ class Worker:
 
     def report(self) -> dict[str, Any]:
         """What ``rank<N>.json`` holds."""
-        machine = self.machine
         data: dict[str, Any] = {
             "rank": self.rank,
             "world_size": self.world_size,
             "policy": self.config.policy.value,
-            "steps": machine.step_count,
-            "batches": machine.batches,
-            "syncs": machine.syncs,
-            "global_step": machine.global_step,
-            "idle_s": machine.idle_s,
-            "averaging_s": machine.averaging_s,
-            "startup_s": machine.startup_s,
+            **self.machine.tallies(),
             "wall_s": self.wall_s,
             "final_metrics": dict(self.final_metrics),
-            "exit_reason": machine.exit_reason,
             "checkpoint": self.checkpoint_path,
         }
         if self.config.debug_param_hashes:
@@ -577,7 +451,8 @@ async def open_worker(
             worker.machine.global_step = await trio.to_thread.run_sync(
                 restore_rank_bundle, config.resume, config.rank, model, optimizer
             )
-        await worker._connect()
+        worker._channel = worker._outbox.channel = await open_channel(config)
+        worker._started_at = trio.current_time()
         async with trio.open_nursery() as nursery:
             worker._start_tasks(nursery)
             try:

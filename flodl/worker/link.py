@@ -1,0 +1,79 @@
+"""The rank's link to its coordinator: the handshake, the receiver and the heartbeat.
+
+Each is a plain function the worker runs (the receiver and the heartbeat as tasks of its
+nursery); what a message means is the rank machine's business, not theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import trio
+
+from flodl.errors import CoordinatorError, FlodlError
+from flodl.transports import connect
+from flodl.transports.channel import Channel, connect_rank
+from flodl.wire.messages import Heartbeat, Message
+from flodl.worker.config import WorkerConfig
+from flodl.worker.outbox import Outbox
+
+__all__ = ["beat", "open_channel", "receive_until_lost"]
+
+
+async def open_channel(config: WorkerConfig) -> Channel:
+    """Connect to ``config.coordinator`` and complete the handshake as ``config.rank``.
+
+    CoordinatorError when there is no handshake within the heartbeat timeout; the handshake's
+    typed error when the coordinator refuses. Nothing is left open on failure.
+    """
+    try:
+        with trio.fail_after(config.heartbeat_timeout):
+            stream = await connect(config.coordinator)
+            try:
+                return await connect_rank(
+                    stream, config.session_key, config.rank, config.world_size
+                )
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+    except trio.TooSlowError:
+        raise CoordinatorError(
+            f"rank {config.rank}: no handshake with the coordinator at {config.coordinator} "
+            f"within {config.heartbeat_timeout:g} s"
+        ) from None
+
+
+async def receive_until_lost(
+    channel: Channel,
+    timeout: float,
+    on_message: Callable[[Message], None],
+    on_lost: Callable[[FlodlError], None],
+) -> None:
+    """Hand every message to ``on_message`` until no frame arrives for ``timeout`` seconds or
+    the connection ends; then ``on_lost`` says why, once, and this returns. An error raised by
+    ``on_message`` (a message the protocol does not allow) also counts as losing the link."""
+    try:
+        while True:
+            with trio.move_on_after(timeout) as scope:
+                message = await channel.receive()
+            if scope.cancelled_caught:
+                on_lost(
+                    CoordinatorError(
+                        f"the coordinator has been silent for {timeout:g} s "
+                        "(FLODL_HEARTBEAT_TIMEOUT); giving up on it"
+                    )
+                )
+                return
+            on_message(message)
+    except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError) as err:
+        on_lost(CoordinatorError(f"lost the connection to the coordinator: {err}"))
+
+
+async def beat(outbox: Outbox, interval: float, heartbeat: Callable[[], Heartbeat]) -> None:
+    """Send ``heartbeat()`` every ``interval`` seconds, on a fixed grid, until the outbox is
+    closed (the coordinator is lost) or this task is cancelled."""
+    next_beat = trio.current_time()
+    while not outbox.closed:
+        next_beat += interval
+        await trio.sleep_until(next_beat)
+        await outbox.send(heartbeat())

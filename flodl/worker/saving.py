@@ -1,0 +1,74 @@
+"""Saving a rank's bundle when the rank machine asks: a Checkpoint request or a save-and-stop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from flodl.core.rank import RankMachine
+from flodl.core.rank_effects import RankEffect
+from flodl.errors import CheckpointError
+from flodl.wire.messages import Checkpoint
+from flodl.worker.persist import SavePoint, save_rank_bundle
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BundleSaver"]
+
+
+class BundleSaver:
+    """Writes this rank's bundles under ``run_dir`` in a worker thread; remembers the latest."""
+
+    def __init__(
+        self,
+        machine: RankMachine,
+        run_dir: Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+    ) -> None:
+        self._machine = machine
+        self._run_dir = run_dir
+        self._model = model
+        self._optimizer = optimizer
+        self.latest: str | None = None
+        """The path of the newest bundle written (for the report and the death record)."""
+
+    async def save(self, reason: str | None, stem: str | None = None) -> Path:
+        """Save a bundle at the machine's current point; CheckpointError if it cannot."""
+        machine = self._machine
+        point = SavePoint(
+            epoch=machine.epoch,
+            global_step=machine.global_step,
+            sync_round=machine.syncs,
+            world_size=machine.world_size,
+            reason=reason,
+        )
+        path = await trio.to_thread.run_sync(
+            lambda: save_rank_bundle(
+                self._run_dir, machine.rank, self._model, self._optimizer, point, stem=stem
+            )
+        )
+        self.latest = str(path)
+        return path
+
+    async def checkpoint(self, request: Checkpoint) -> list[RankEffect]:
+        """The SaveCheckpoint step: a versioned bundle; the machine's CheckpointResult."""
+        started = trio.current_time()
+        error: str | None = None
+        try:
+            await self.save(None, stem=f"flodl-v{request.version:06d}")
+        except CheckpointError as err:
+            error = str(err)
+        elapsed_ms = (trio.current_time() - started) * 1000.0
+        return self._machine.checkpoint_finished(request, elapsed_ms, error)
+
+    async def save_and_stop(self, reason: str) -> list[RankEffect]:
+        """The SaveAndStop step: the bundle (or why it failed); the machine's goodbye."""
+        try:
+            outcome = f"saved to {await self.save(reason)}"
+        except CheckpointError as err:
+            outcome = f"the save failed: {err}"
+        return self._machine.save_finished(outcome)
