@@ -62,8 +62,9 @@ class GlooBackend(TorchDistBackend):
 
     def _make_comm(self, store: Store, rank: int, world_size: int) -> Comm:
         comm = GlooComm(store, rank, world_size, self.op_timeout)
-        # The loop that ends each round: loaded here, in the joining thread, before training
-        # starts (~0.5 s, once per process). Loaded in the background instead, it competed with
-        # the first second of training and the fast ranks' idle share rose from 3.4% to 8.8%.
+        # The loop that ends each round loads here, in the joining thread, before training
+        # starts (~0.5 s, once per process): loading it in the background would compete with
+        # the first second of training and raise the fast ranks' idle share (figures in
+        # docs/benchmarks.md, "Heterogeneous throughput").
         warm_up()
         return comm
