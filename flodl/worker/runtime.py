@@ -26,7 +26,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import trio
 
 from flodl.core.job import Job
@@ -62,6 +61,7 @@ from flodl.wire.messages import (
     EpochAggregated,
     Message,
 )
+from flodl.worker.assignment import Assignment
 from flodl.worker.config import WorkerConfig
 from flodl.worker.link import beat, open_channel, receive_until_lost
 from flodl.worker.membership import GroupMembership
@@ -81,20 +81,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("flodl.worker")
 
 __all__ = ["Assignment", "Worker", "open_worker"]
-
-
-@attrs.frozen
-class Assignment:
-    """One batch to train: positions ``[start, stop)`` of ``epoch``'s order and their indices."""
-
-    epoch: int
-    start: int
-    stop: int
-    indices: tuple[int, ...]
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
 
 
 class Worker:
@@ -147,10 +133,6 @@ class Worker:
         return self.config.world_size
 
     @property
-    def job(self) -> Job | None:
-        return self.machine.job
-
-    @property
     def global_step(self) -> int:
         """The run's global step as last set by the coordinator (SetGlobalStep)."""
         return self.machine.global_step
@@ -164,10 +146,6 @@ class Worker:
     def last_epoch(self) -> EpochAggregated | None:
         """The latest epoch summary the coordinator broadcast."""
         return self.machine.last_epoch
-
-    @property
-    def exit_reason(self) -> str | None:
-        return self.machine.exit_reason
 
     @property
     def param_hashes(self) -> list[dict[str, Any]]:
@@ -271,8 +249,7 @@ class Worker:
 
     def _assignment_of(self, batch: BatchSlice) -> Assignment:
         assert self._orders is not None
-        indices = tuple(self._orders.indices(batch))
-        return Assignment(batch.epoch, batch.start, batch.stop, indices)
+        return Assignment.of(batch, self._orders)
 
     def _reserve_next(self) -> None:
         batch = self.machine.reserve()
