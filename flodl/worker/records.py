@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flodl.errors import CheckpointError
+
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("flodl.worker")
 
 
 def report_path(run_dir: Path, rank: int) -> Path:
@@ -51,18 +56,22 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def write_death_record(
-    run_dir: Path, rank: int, world_size: int, error: str, bundle: Path | None = None
-) -> Path:
-    """Write this rank's death record (see the module docstring) and return its path.
+def record_death(
+    run_dir: Path, rank: int, world_size: int, error: str, bundle: str | None = None
+) -> None:
+    """Write this rank's death record (see the module docstring) and log it; never raises.
 
-    ``bundle``: the rank's latest saved bundle (``<dir>/<stem>``), if any. Raises OSError or
-    CheckpointError when it cannot be written.
+    ``bundle``: the rank's latest saved bundle (``<dir>/<stem>``), if any.
     """
-    from flodl.checkpoint import write_death_record as write_record
+    from flodl.checkpoint import write_death_record
 
-    directory, stem = (bundle.parent, bundle.name) if bundle is not None else (run_dir, DEATH_STEM)
-    return write_record(directory, stem, rank=rank, world_size=world_size, error=error)
+    where = Path(bundle) if bundle is not None else None
+    directory, stem = (where.parent, where.name) if where is not None else (run_dir, DEATH_STEM)
+    try:
+        path = write_death_record(directory, stem, rank=rank, world_size=world_size, error=error)
+        log.error("rank %d: %s (death record: %s)", rank, error, path)
+    except (OSError, CheckpointError) as err:
+        log.error("rank %d: %s (could not write the death record: %s)", rank, error, err)
 
 
 def tensors_sha256(tensors: Sequence[torch.Tensor]) -> str:

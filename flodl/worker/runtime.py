@@ -23,7 +23,6 @@ import logging
 import math
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -51,7 +50,6 @@ from flodl.core.rank_effects import (
 )
 from flodl.core.work import BatchSlice, EpochOrders
 from flodl.errors import (
-    CheckpointError,
     CoordinatorError,
     FlodlError,
     OutOfTurn,
@@ -67,7 +65,7 @@ from flodl.worker.link import beat, open_channel, receive_until_lost
 from flodl.worker.membership import GroupMembership
 from flodl.worker.outbox import Outbox
 from flodl.worker.persist import restore_rank_bundle
-from flodl.worker.records import report_path, write_death_record, write_json_atomic
+from flodl.worker.records import record_death, report_path, write_json_atomic
 from flodl.worker.rounds import RoundRunner
 from flodl.worker.saving import BundleSaver
 from flodl.worker.staging import StagedBatch
@@ -291,14 +289,8 @@ class Worker:
 
     def _give_up(self, error: Exception) -> None:
         """The coordinator is lost: write the death record, stop joining groups."""
-        bundle = Path(self.checkpoint_path) if self.checkpoint_path is not None else None
-        try:
-            path = write_death_record(
-                self.config.run_dir, self.rank, self.world_size, str(error), bundle
-            )
-            log.error("rank %d: %s (death record: %s)", self.rank, error, path)
-        except (OSError, CheckpointError) as err:
-            log.error("rank %d: %s (could not write the death record: %s)", self.rank, error, err)
+        config = self.config
+        record_death(config.run_dir, self.rank, self.world_size, str(error), self.checkpoint_path)
         self._outbox.closed = True
         self._membership.stop_joining()
 
@@ -440,6 +432,7 @@ async def open_worker(
                 worker.note_exit(err)
                 raise
             finally:
+                worker._nursery = None  # a late callback must not start tasks in a closing nursery
                 nursery.cancel_scope.cancel()
         worker.note_exit(body_error)
     finally:
