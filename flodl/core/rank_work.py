@@ -15,9 +15,9 @@ import attrs
 
 from flodl.core.job import Job
 from flodl.core.rank_effects import HandOut, Send, Wait
-from flodl.core.work import BatchSlice, WorkQueue
+from flodl.core.work import BatchSlice, WorkMessage, WorkQueue
 from flodl.errors import OutOfTurn, ProtocolError
-from flodl.wire.messages import ExtendPartition, Metrics, StartEpoch
+from flodl.wire.messages import Metrics
 
 __all__ = ["RankWork"]
 
@@ -61,7 +61,7 @@ class RankWork:
         self._chunk: _Chunk | None = None
         self._handed_out_at = 0.0
 
-    def add_now(self, message: StartEpoch | ExtendPartition) -> bool:
+    def add_now(self, message: WorkMessage) -> bool:
         """Queue work; False (nothing queued) when it is bad: the boundary raises it then."""
         try:
             self.queue.add(message)

@@ -17,10 +17,13 @@ from flodl.core.partitions import Span, epoch_order
 from flodl.errors import ConfigError, ProtocolError
 from flodl.wire.messages import ExtendPartition, StartEpoch
 
-__all__ = ["BatchSlice", "EpochOrders", "WorkQueue", "work_span"]
+__all__ = ["BatchSlice", "EpochOrders", "WorkMessage", "WorkQueue", "work_span"]
+
+WorkMessage = StartEpoch | ExtendPartition
+"""A message that hands a rank a span of an epoch's order."""
 
 
-def work_span(message: StartEpoch | ExtendPartition) -> tuple[int, Span]:
+def work_span(message: WorkMessage) -> tuple[int, Span]:
     """The epoch and the span of its order that a work message hands out.
 
     The one place that knows the two messages name their span's fields differently.
@@ -54,7 +57,7 @@ class WorkQueue:
         self._spans: deque[tuple[int, Span]] = deque()
         self._cursor = 0  # positions of the head span already handed out
 
-    def add(self, message: StartEpoch | ExtendPartition) -> None:
+    def add(self, message: WorkMessage) -> None:
         """Queue the message's span after the others; ProtocolError if it leaves the epoch
         order (nothing is queued then)."""
         epoch, span = work_span(message)

@@ -15,16 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from flodl.core.partitions import ChunkPool
+from flodl.core.work import WorkMessage, work_span
 from flodl.errors import ConfigError
-from flodl.wire.messages import ExtendPartition, StartEpoch
-
-Assignment = StartEpoch | ExtendPartition
+from flodl.wire.messages import ExtendPartition
 
 
-def span_batches(message: Assignment, batch_size: int) -> int:
-    """How many batches an assignment holds (the last one may be short)."""
-    size = message.partition_size if isinstance(message, StartEpoch) else message.size
-    return -(-size // batch_size)
+def span_batches(message: WorkMessage, batch_size: int) -> int:
+    """How many batches a work message holds (the last one may be short)."""
+    return -(-work_span(message)[1].size // batch_size)
 
 
 class Workload:
@@ -96,7 +94,7 @@ class Workload:
         self._pools.append(pool)
         return pool
 
-    def dispatch_window(self, plan: Mapping[int, int]) -> list[tuple[int, Assignment]]:
+    def dispatch_window(self, plan: Mapping[int, int]) -> list[tuple[int, WorkMessage]]:
         """Hand each rank ``plan[rank]`` batches, continuing into the next epoch if needed.
 
         Within one epoch a shortfall is shared in proportion to the plan (largest remainder);
@@ -104,7 +102,7 @@ class Workload:
         be short. Returns the assignments to send, in order.
         """
         wanted = {rank: count for rank, count in plan.items() if count > 0}
-        sends: list[tuple[int, Assignment]] = []
+        sends: list[tuple[int, WorkMessage]] = []
         index = 0
         while wanted:
             if index == len(self._pools) and self._open_next() is None:
