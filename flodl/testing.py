@@ -220,7 +220,7 @@ class ScriptedRank:
             return
         try:
             await channel.send(message)
-        except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError) as err:
+        except FlodlError as err:
             self.machine.connection_lost(CoordinatorError(f"lost the coordinator: {err}"))
             self._notify()
 
@@ -266,7 +266,7 @@ class ScriptedRank:
                 if isinstance(message, Shutdown | ShutdownWithSave):
                     self.record.ended_by = message
                 await self._perform(channel, self.machine.receive(message))
-        except (FlodlError, trio.BrokenResourceError) as err:
+        except FlodlError as err:
             self.machine.connection_lost(CoordinatorError(f"lost the coordinator: {err}"))
             scope.cancel()
 

@@ -65,7 +65,7 @@ async def receive_until_lost(
                 )
                 return
             on_message(message)
-    except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError) as err:
+    except FlodlError as err:  # the channel maps stream errors to ours
         on_lost(CoordinatorError(f"lost the connection to the coordinator: {err}"))
 
 

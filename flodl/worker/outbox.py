@@ -13,8 +13,6 @@ from flodl.wire.messages import Message
 
 __all__ = ["Outbox"]
 
-_BROKEN = (TransportError, trio.BrokenResourceError, trio.ClosedResourceError)
-
 
 class Outbox:
     """Queued messages for one channel. :meth:`put` never waits; :meth:`flush` sends what is
@@ -54,5 +52,5 @@ class Outbox:
             return
         try:
             await channel.send(message)
-        except _BROKEN as err:
+        except TransportError as err:  # the channel maps stream errors to ours
             self._on_broken(CoordinatorError(f"lost the connection to the coordinator: {err}"))

@@ -1,8 +1,8 @@
 """The next batch, picked ahead so a training thread can take it without waiting (thread-safe).
 
-With the synchronous facade the training loop runs on its own thread and every hand-out used to
-be a round trip into the trio thread: on a busy machine each wait for the other thread to be
-scheduled costs up to milliseconds. So the trio thread reserves the batch that comes next
+With the synchronous facade the training loop runs on its own thread, and a hand-out that is a
+round trip into the trio thread waits for that thread to be scheduled: up to milliseconds on a
+busy machine. So the trio thread reserves the batch that comes next
 (:meth:`StagedBatch.offer`) whenever nothing is waiting for a batch boundary, and the training
 thread takes it directly (:meth:`StagedBatch.take`). Anything that needs a boundary (a queued
 SyncNow, a throttle, the end of the run...) first makes the reservation untakeable
