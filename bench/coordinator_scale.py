@@ -4,15 +4,24 @@ Writes bench/results/coordinator.json and prints a short table.
 
 Setup (one trio process, one thread, real clock): a real coordinator
 (:func:`flodl.coordinator.open_coordinator` on a fresh ``memory://`` name, default
-:class:`~flodl.config.CoordinatorConfig`) and N lean simulated ranks. Each rank connects with
-:func:`~flodl.transports.channel.connect_rank` (a real handshake), sends ``Ready`` for a job too
-large to end (10**9 samples, batch size 1), answers ``RequestNewGroup`` with ``NewGroupReady``,
-and then follows the work protocol of :mod:`flodl.core.machine`:
+:class:`~flodl.config.CoordinatorConfig`) and N simulated ranks. The split mode (``--mode``)
+puts the ranks in load-generator processes on unix or tcp sockets instead, leaving the
+coordinator's process to it alone. Each simulated rank is a :class:`~flodl.core.rank.RankMachine`
+(the rank's side of the protocol, the machine a real worker drives) with a lean loop around it
+in place of training (:class:`RankLoop`). It connects with a real handshake and announces a job
+too large to end (``Ready``: 10**9 samples, batch size 1); the machine keeps the work protocol
+(work queue, ``Metrics`` completion frames, step counts, ``Throttle``, ``SyncAck``, the
+goodbye) and the loop supplies time:
 
 * its batches finish on a 10 Hz grid with a random phase per rank (so the ranks do not all
-  report at once): at each grid tick where it holds work it sends one ``Batch``; when its work
-  runs out it sends the ``Metrics`` completion frame and waits for more;
-* it answers ``SyncNow`` at once with ``SyncAck`` (no real averaging) and obeys ``Throttle``;
+  report at once): at each grid tick the batch handed out is done (``Batch``) and the rank asks
+  its machine for the next step; when its work runs out the machine sends the ``Metrics``
+  completion frame and the rank waits for more. A batch handed out when work arrives finishes
+  at the next grid tick, so it reports the time since it was handed out (under 100 ms);
+* averaging takes no time (there is no backend): where the machine says ``Average`` the rank
+  acks at once. A rank waiting at the barrier asks again as soon as a message wakes it, so it
+  acks ``SyncNow`` on receipt; one in the middle of a batch acts on it at its next tick.
+  ``RequestNewGroup`` is answered ``NewGroupReady``;
 * it sends a ``Heartbeat`` every second, on a random phase of its own.
 
 The offered load is therefore 10 Batch/s + 1 Heartbeat/s per rank (plus about one Metrics and
@@ -28,7 +37,8 @@ started), for ``--seconds`` per rank count:
   the trio time just before the rank hands it to its Channel (queueing behind the rank's own
   earlier frames, the memory stream, framing, HMAC and decoding all count) to the trio time the
   coordinator passes as ``now`` to ``CoordinatorMachine.on_message`` for it. Frames of one
-  connection are decoded in order, so send times are matched per rank in FIFO order.
+  connection are decoded in order, so send times are matched per rank in FIFO order. (Split
+  mode: the send time travels in the message itself, see ``SPLIT_LATENCY``.)
 * **Timer lateness**: a probe task sleeps in a cancel scope until a deadline 50 ms ahead, as
   the coordinator's deadline loop does, and records wake time minus deadline; the deadline
   loop's own wakes are recorded the same way (actual ``on_tick`` time minus the deadline its
@@ -36,10 +46,11 @@ started), for ``--seconds`` per rank count:
 * The target is met when p99 of both latencies is under 50 ms and the ranks still deliver at
   least 90% of the nominal Batch rate (9 Batch/s per rank).
 * **CPU**: ``time.process_time`` over the window divided by the messages the coordinator
-  received (``cpu_us_per_message``; ranks and coordinator share the core, so this includes the
-  ranks' own encoding), and the coordinator's share: the wall time of trio task steps of
-  ``flodl.*`` tasks (the coordinator's readers, writers, heartbeat and deadline loops), measured
-  with a trio instrument; ``machine`` is the part spent inside the decision machine's calls.
+  received (``cpu_us_per_message``; in-process, ranks and coordinator share the core, so this
+  includes the ranks' own machines and encoding), and the coordinator's share: the CPU time
+  of trio task steps of ``flodl.*`` tasks (the coordinator's readers, writers, heartbeat and
+  deadline loops), measured with a trio instrument; ``machine`` is the part spent inside the
+  decision machine's calls.
 
 The library's one-clock rule is for flodl/; this bench also reads time.perf_counter (wall),
 time.process_time and time.thread_time (CPU). The machine may be shared: other processes
@@ -52,9 +63,7 @@ import argparse
 import contextlib
 import cProfile
 import gc
-import hashlib
 import heapq
-import hmac
 import itertools
 import json
 import math
@@ -63,16 +72,15 @@ import pstats
 import random
 import select
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import attrs
 import benchenv
@@ -82,13 +90,29 @@ import trio.lowlevel
 
 from flodl.config import CoordinatorConfig
 from flodl.coordinator import open_coordinator
+from flodl.core.job import Job
 from flodl.core.machine import CoordinatorMachine, Effect
-from flodl.errors import FlodlError
+from flodl.core.rank import RankMachine
+from flodl.core.rank_effects import (
+    Average,
+    Finish,
+    HandOut,
+    JoinGroup,
+    PrepareGroup,
+    Raise,
+    RankEffect,
+    SaveAndStop,
+    SaveCheckpoint,
+    Send,
+    Wait,
+    Wake,
+)
+from flodl.errors import FlodlError, ShutdownRequested
 from flodl.transports import connect
 from flodl.transports.channel import RECEIVE_CHUNK, Channel, connect_rank
 from flodl.transports.memory_reader import MemoryReader
 from flodl.transports.socket_stream import SocketStream
-from flodl.wire.codec import FRAME_MAGIC, PREFIX_SIZE, PROTOCOL_VERSION
+from flodl.wire.codec import EncodedMessage, FrameDecoder, FrameEncoder
 from flodl.wire.handshake import (
     SERVER_HELLO_SIZE,
     SessionKeys,
@@ -96,21 +120,14 @@ from flodl.wire.handshake import (
     make_client_hello,
 )
 from flodl.wire.messages import (
-    BY_TAG,
+    TO_RANK_TAGS,
     Batch,
-    ExtendPartition,
     Heartbeat,
     Message,
     Metrics,
     NewGroupReady,
-    Ready,
-    RequestNewGroup,
-    Shutdown,
-    ShutdownWithSave,
-    StartEpoch,
     SyncAck,
-    SyncNow,
-    Throttle,
+    to_payload,
 )
 
 KEY = b"coordinator-scale-bench-key-0123"
@@ -140,7 +157,7 @@ INPROCESS_LATENCY = (
 )
 SPLIT_LATENCY = (
     "message latency: CLOCK_MONOTONIC (time.perf_counter) in the generator process just before "
-    "a simulated rank hands a message to its Channel, carried in the message itself (Batch."
+    "a simulated rank frames a message for its socket, carried in the message itself (Batch."
     "batch_loss, Heartbeat.step_count in us, Metrics.avg_loss, SyncAck.pre_norm), to the `now` "
     "the coordinator passes to CoordinatorMachine.on_message for it, converted to "
     "CLOCK_MONOTONIC (trio's clock is perf_counter plus a fixed offset). Includes the rank's "
@@ -210,9 +227,18 @@ class Recorder:
         self.all_connected_at: float | None = None
         self.first_round_at: float | None = None
 
-    def sending(self, rank: int) -> None:
-        """A rank is about to hand a message to its Channel (call with no await in between)."""
-        self.sent_at[rank].append(trio.current_time())
+    def count_sent(self, messages: Sequence[Message]) -> None:
+        """A rank sent ``messages`` (counted inside the window)."""
+        if self.measuring:
+            sent = self.sent
+            for message in messages:
+                sent[type(message).__name__] += 1
+
+    def sending(self, rank: int, messages: Sequence[Message], at: float) -> None:
+        """``rank`` handed ``messages`` to its Channel at trio time ``at`` (in-process mode:
+        their send times, matched in FIFO order by :meth:`processed`)."""
+        self.count_sent(messages)
+        self.sent_at[rank].extend(itertools.repeat(at, len(messages)))
 
     def processed(self, rank: int, message: Message, now: float) -> None:
         if self.clock_offset is not None:
@@ -252,21 +278,40 @@ class Recorder:
 # Linux machine, and time.perf_counter reads it too (checked in `clock_check`).
 
 
-def stamp_message(message: Message, at: float) -> Message:
-    """``message`` carrying send time ``at`` (CLOCK_MONOTONIC seconds) where it has room."""
-    if isinstance(message, Batch):
-        return attrs.evolve(message, batch_loss=at)
-    if isinstance(message, Heartbeat):
-        return attrs.evolve(message, step_count=round(at * 1e6))
-    if isinstance(message, Metrics):
-        return attrs.evolve(message, avg_loss=at)
-    if isinstance(message, SyncAck):
-        return attrs.evolve(message, pre_norm=at)
-    return message
+_STAMP_FIELD: dict[type[Message], str] = {
+    Batch: "batch_loss",
+    Heartbeat: "step_count",
+    Metrics: "avg_loss",
+    SyncAck: "pre_norm",
+}
+"""The field each kind carries its send time in (seconds; Heartbeat: whole microseconds)."""
+
+
+def stamped_payload(message: Message, at: float) -> dict[str, Any]:
+    """``message``'s fields as they go on the wire, carrying send time ``at`` (CLOCK_MONOTONIC
+    seconds) where its kind has room for it."""
+    fields = to_payload(message)
+    name = _STAMP_FIELD.get(type(message))
+    if name is not None:
+        fields[name] = round(at * 1e6) if name == "step_count" else at
+    return fields
+
+
+def stamped_frames(encoder: FrameEncoder, messages: Iterable[Message], at: float) -> bytes:
+    """The frames of ``messages``, each stamped with ``at``: the library's framing around the
+    stamped fields, so what the coordinator decodes is the stamped message (same tag)."""
+    encode, dumps = encoder.encode, cbor2.dumps
+    return b"".join(
+        [
+            encode(EncodedMessage(message, dumps(stamped_payload(message, at))))
+            for message in messages
+        ]
+    )
 
 
 def stamp_of(message: Message) -> float | None:
-    """The send time :func:`stamp_message` put into ``message`` (None: a kind it leaves alone)."""
+    """The send time :func:`stamped_payload` put into ``message`` (None: a kind it leaves
+    alone)."""
     if isinstance(message, Batch):
         return message.batch_loss
     if isinstance(message, Heartbeat):
@@ -398,74 +443,206 @@ async def timer_probe(recorder: Recorder) -> None:
             recorder.timer_lateness.append(trio.current_time() - deadline)
 
 
-# --- the lean simulated rank --------------------------------------------------------------------
+# --- the simulated ranks: a RankMachine each, on a shared metronome ---------------------------
 
 
-_Action = Callable[[float], Awaitable[None]]
-A = TypeVar("A")
-
-
-class SlotTimer(Generic[A]):
+class Metronome:
     """Actions due at given times, run by one timer task at the first 2 ms slot at or after
-    each action's time (the shared part of :class:`Metronome` and :class:`SyncMetronome`).
+    each action's time.
 
     A task per rank per timer would spend much of the shared core waking tasks and sleeping
     (a cancel scope and a Cancelled exception per sleep), which real ranks (each on its own
     machine) never charge to the coordinator. Actions of one slot run in the order they were
-    registered; while the recorder measures, each action's lag (its start time minus the time
-    it was scheduled for; up to one slot even when nothing is late) goes to ``rank_lag``.
+    registered, all in one go: none waits (a rank queues what its connection cannot take at
+    once behind it, see :class:`LeanRank` and :class:`WireGenerator`), so a slot's sends land
+    together, as sends from many machines would. While the recorder measures, each action's
+    lag (its start time minus the time it was scheduled for; up to one slot even when nothing
+    is late) goes to ``rank_lag``.
     """
 
     SLOT_S = 0.002
 
     def __init__(self, recorder: Recorder) -> None:
-        self._pending: list[tuple[int, int, float, A]] = []
+        self._pending: list[tuple[int, int, float, Callable[[float], None]]] = []
         self._order = itertools.count()
         self._fired_through = math.floor(trio.current_time() / self.SLOT_S)
         self._recorder = recorder
 
-    def at(self, when: float, action: A) -> None:
-        """Run ``action`` in the first slot at or after ``when`` (the next slot if that one has
-        already fired)."""
+    def at(self, when: float, action: Callable[[float], None]) -> None:
+        """Run ``action(now)`` in the first slot at or after ``when`` (the next slot if that
+        one has already fired)."""
         slot = max(math.ceil(when / self.SLOT_S), self._fired_through + 1)
         heapq.heappush(self._pending, (slot, next(self._order), when, action))
 
-    async def _next_slot(self) -> tuple[float, list[tuple[float, A]]]:
-        """Sleep until the next slot; its time and the actions due by then, in order."""
-        await trio.sleep_until((self._fired_through + 1) * self.SLOT_S)
-        now = trio.current_time()
-        self._fired_through = math.floor(now / self.SLOT_S)
-        pending, due = self._pending, []
-        while pending and pending[0][0] <= self._fired_through:
-            _, _, when, action = heapq.heappop(pending)
-            due.append((when, action))
-        return now, due
-
-    def _record_lag(self, when: float) -> None:
-        if self._recorder.measuring:
-            self._recorder.rank_lag.append(trio.current_time() - when)
-
-
-class Metronome(SlotTimer[_Action]):
-    """The timer of the in-process simulated ranks: each action is awaited (a send still goes
-    through the rank's own Channel), but no rank task wakes for it. A rank whose stream is
-    full delays the actions after it (64 KiB of buffer per connection: only a coordinator far
-    behind the target gets there)."""
-
     async def run(self) -> None:
         """Fire the slots as their time comes (late slots all at once); runs until cancelled."""
+        pending, recorder = self._pending, self._recorder
         while True:
-            now, due = await self._next_slot()
-            for when, action in due:
-                self._record_lag(when)
-                await action(now)
+            await trio.sleep_until((self._fired_through + 1) * self.SLOT_S)
+            now = trio.current_time()
+            self._fired_through = math.floor(now / self.SLOT_S)
+            while pending and pending[0][0] <= self._fired_through:
+                _, _, when, action = heapq.heappop(pending)
+                if recorder.measuring:
+                    recorder.rank_lag.append(trio.current_time() - when)
+                action(now)
+
+
+JOB = Job(dataset_size=DATASET_SIZE, batch_size=1, epochs=1)
+"""What every simulated rank announces (``Ready``)."""
+RANK_POLICY = CoordinatorConfig().policy
+"""The ranks' policy is the coordinator's (its default configuration)."""
+LOSS = 1.0
+"""The loss every simulated batch reports."""
+
+
+@attrs.frozen
+class SimulatedFigures:
+    """What an instant, simulated average reports: nothing measured, so the SyncAck carries
+    no divergence or norms (split mode writes its send stamp into ``pre_norm``)."""
+
+    divergence: float = math.nan
+    post_norm: float = math.nan
+    pre_norm: float = math.nan
+
+
+NO_FIGURES = SimulatedFigures()
+
+
+class RankLoop:
+    """A simulated rank's training loop around its :class:`~flodl.core.rank.RankMachine`.
+
+    No I/O: each call takes the time and returns the messages to send, in order; the shell
+    (:class:`LeanRank`, :class:`WireRank`) sends them. The machine keeps the protocol (the
+    work queue, the chunks and their Metrics frames, step counts, throttling, acks, the
+    goodbye); the loop only decides when things happen:
+
+    * a batch handed out finishes at the rank's next grid tick (``batch_phase + k *
+      BATCH_PERIOD_S``; the shell runs :meth:`tick` at the time given to ``schedule``); the
+      rank is then at its batch boundary and asks the machine for the next step;
+    * an average takes no time (there is no backend): the machine's step is answered at once
+      and the SyncAck goes out. A group to prepare is answered ``NewGroupReady`` (info
+      ``b"sim"``); once one is announced the rank is a member of it;
+    * ``Wait``: the rank idles in its boundary until a reaction wakes it, then asks again at
+      once, so a rank waiting at the barrier acks a SyncNow on receipt. A rank in the middle
+      of a batch acts on what arrived at its next boundary, as a real one does;
+    * after the goodbye (``Finish``, or ``Raise`` of the ShutdownRequested that follows a
+      ShutdownWithSave) the run is over for the rank: :attr:`over`.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        batch_phase: float,
+        recorder: Recorder,
+        schedule: Callable[[float], None],
+    ) -> None:
+        self.rank = rank
+        self.machine = RankMachine(rank, world_size, RANK_POLICY, trio.current_time())
+        self.batch_phase = batch_phase
+        self.recorder = recorder
+        self._schedule = schedule
+        self.due: float | None = None
+        """The grid time at which the batch handed out finishes (None: none is out)."""
+        self.waiting = False
+        """In a boundary whose step was Wait."""
+        self.over = False
+        self.group_rank = rank
+
+    def start(self, now: float) -> list[Message]:
+        """Announce the job (``Ready``) and wait at the first boundary for work."""
+        out: list[Message] = []
+        self._react(self.machine.announce(JOB), out)
+        self.machine.enter_boundary(now)
+        self._boundary(now, out)
+        return out
+
+    def receive(self, message: Message, now: float) -> list[Message]:
+        out: list[Message] = []
+        if not self.over and self._react(self.machine.receive(message), out) and self.waiting:
+            self._boundary(now, out)
+        return out
+
+    def tick(self, now: float) -> list[Message]:
+        """The batch's grid tick came: report it done; the boundary's next step."""
+        due = self.due
+        assert due is not None
+        self.due = None
+        if now >= due + BATCH_PERIOD_S and self.recorder.measuring:
+            self.recorder.late_rank_ticks += 1  # a whole period behind: missed ticks skipped
+        machine = self.machine
+        out: list[Message] = []
+        self._react(machine.batch_done(LOSS, 0.0, now), out)
+        machine.enter_boundary(now)
+        self._boundary(now, out)
+        return out
+
+    def heartbeat(self) -> Message | None:
+        return None if self.over else self.machine.heartbeat()
+
+    def _react(self, effects: Sequence[RankEffect], out: list[Message]) -> bool:
+        """Perform reactions (sends into ``out``); True if one asks to wake the boundary.
+
+        DoomGroup, CancelRound and GiveUp find no group, round or record to act on, and
+        Ignored needs no log here.
+        """
+        woken = False
+        for effect in effects:
+            if isinstance(effect, Send):
+                out.append(effect.message)
+            elif isinstance(effect, Wake):
+                woken = True
+            elif isinstance(effect, PrepareGroup):
+                generation = effect.request.generation
+                out.append(NewGroupReady(rank=self.rank, generation=generation, info=b"sim"))
+            elif isinstance(effect, JoinGroup):
+                self.group_rank = effect.session.new_rank
+        return woken
+
+    def _boundary(self, now: float, out: list[Message]) -> None:
+        """Perform the machine's boundary steps until one hands out a batch, waits or ends."""
+        machine = self.machine
+        while True:
+            effects = machine.boundary(now)
+            step = effects.pop()
+            self._react(effects, out)
+            if isinstance(step, Wait):
+                self.waiting = True
+                return
+            if isinstance(step, Average):
+                machine.round_weight(step.sync, self.group_rank)  # what a backend would take
+                after = machine.average_finished(step.sync, NO_FIGURES, 0.0)
+            elif isinstance(step, SaveCheckpoint):
+                after = machine.checkpoint_finished(step.request, 0.0, None)
+            elif isinstance(step, SaveAndStop):
+                after = machine.save_finished("a simulated rank has nothing to save")
+            else:
+                machine.leave_boundary(now)
+                self.waiting = False
+                if isinstance(step, HandOut):
+                    self.due = _next_grid_tick(now, self.batch_phase, BATCH_PERIOD_S)
+                    self._schedule(self.due)
+                elif isinstance(step, Finish) or (
+                    isinstance(step, Raise) and isinstance(step.error, ShutdownRequested)
+                ):
+                    self.over = True
+                elif isinstance(step, Raise):
+                    raise step.error
+                else:
+                    raise AssertionError(f"rank {self.rank}: no simulation of {step}")
+                return
+            self._react(after, out)
 
 
 class LeanRank:
-    """A rank that only talks: Batch on a 10 Hz grid while it holds work, heartbeats, acks.
+    """An in-process simulated rank: its :class:`RankLoop` over a real Channel.
 
-    Its own task only receives (and answers SyncNow and RequestNewGroup at once); its batches
-    and heartbeats are actions of the shared :class:`Metronome`.
+    Its messages are handled by the shared reader's task (one MemoryReader for every rank);
+    its batches and heartbeats are actions of the shared :class:`Metronome`. What the rank
+    sends goes out at once where the stream takes it, otherwise behind what is queued, from a
+    writer task of its own (64 KiB of buffer per connection: only a coordinator far behind
+    the target gets there).
     """
 
     def __init__(
@@ -475,241 +652,112 @@ class LeanRank:
         recorder: Recorder,
         metronome: Metronome,
         rng: random.Random,
-        *,
-        stamp: bool = False,
     ) -> None:
         self.rank = rank
-        self.stamp = stamp
-        """Split mode: messages carry their send time (:func:`stamp_message`); otherwise the
-        recorder notes it (``Recorder.sending``) for FIFO matching in the same process."""
-        self.metronome = metronome
         self.world_size = world_size
         self.recorder = recorder
-        self.batch_phase = rng.uniform(0.0, BATCH_PERIOD_S)
+        self.metronome = metronome
+        batch_phase = rng.uniform(0.0, BATCH_PERIOD_S)
         self.heartbeat_phase = rng.uniform(0.0, HEARTBEAT_PERIOD_S)
+        self.loop = RankLoop(rank, world_size, batch_phase, recorder, self._schedule)
         self.channel: Channel | None = None
         """Set while connected; None once the connection ended (actions then stop)."""
-        self.work = 0
-        """Batches given and not yet run."""
-        self.epoch = 0
-        self.step_count = 0
-        self.chunk_batches = 0
-        self.chunk_started = 0.0
-        self.throttled = False
-        self.next_tick: float | None = None
-        """The grid time of the batch action registered with the metronome (None: idle)."""
-        self.shut_down = False
-        """Shutdown (or ShutdownWithSave) received."""
+        self.outbox: list[Message] = []
+        """Messages waiting for the writer (the stream did not take them at once)."""
+        self._written = trio.Event()
+        """Set when the writer has something to write."""
+        self.ended = trio.Event()
+        """The run is over for this rank and its last message is written, or the connection
+        ended."""
 
-    async def run(
-        self,
-        url: str,
-        key: bytes,
-        limiter: trio.CapacityLimiter | None = None,
-        reader: MemoryReader | None = None,
-    ) -> None:
-        """Connect, then serve until Shutdown, the connection ends, or cancellation.
+    def _schedule(self, when: float) -> None:
+        self.metronome.at(when, self._tick)
 
-        ``limiter`` bounds how many ranks connect and handshake at once (a socket listener's
-        backlog is finite). With ``reader`` (in-process mode) the rank's messages are handled
-        by that shared reader's task and answered without waiting where the stream takes the
-        answer; without it, by a receive loop of this task.
-        """
-        async with limiter if limiter is not None else contextlib.nullcontext():
-            stream = await connect(url)
-            try:
-                channel = await connect_rank(stream, key, self.rank, self.world_size)
-            except BaseException:
-                await trio.aclose_forcefully(stream)
-                raise
+    async def run(self, url: str, key: bytes, reader: MemoryReader) -> None:
+        """Connect, announce, then serve until the rank's goodbye, the end of the connection,
+        or cancellation. ``reader`` hands this rank its messages."""
+        stream = await connect(url)
+        try:
+            channel = await connect_rank(stream, key, self.rank, self.world_size)
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
         async with stream:
-            ready = Ready(rank=self.rank, dataset_size=DATASET_SIZE, batch_size=1, epochs=1)
-            await self.send(channel, ready)
+            ready = self.loop.start(trio.current_time())
+            self._sending(ready, trio.current_time())
+            await channel.send_many(ready)
             self.channel = channel
-            self.metronome.at(trio.current_time() + self.heartbeat_phase, self.heartbeat)
+            self.metronome.at(trio.current_time() + self.heartbeat_phase, self._heartbeat)
+            reader.add(channel, self._on_messages, lambda error: self.ended.set())
             try:
-                if reader is None:
-                    await self.receive(channel)
-                else:
-                    await self._served_by(reader, channel)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._writer, channel)
+                    await self.ended.wait()
+                    nursery.cancel_scope.cancel()
             except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
             finally:
                 self.channel = None
+                reader.discard(channel)
 
-    async def _served_by(self, reader: MemoryReader, channel: Channel) -> None:
-        """Let ``reader`` hand this rank its messages until Shutdown or the end of the
-        connection; answers go out at once, or from this task when the stream is full."""
-        ended = trio.Event()
-        outbox: list[Message] = []
-        wake = trio.Event()
+    def _on_messages(self, messages: list[Message], now: float) -> None:
+        recorder, loop = self.recorder, self.loop
+        for message in messages:
+            if recorder.measuring:
+                recorder.delivered[type(message).__name__] += 1
+            self._send(loop.receive(message, now))
 
-        def on_messages(batch: list[Message], now: float) -> None:
-            nonlocal wake
-            for message in batch:
-                reply = self.handle(message)
-                if self.shut_down:
-                    ended.set()
-                    reader.discard(channel)
-                    return
-                if reply is not None:
-                    if not outbox:
-                        try:
-                            if channel.send_nowait(self._outgoing((reply,))):
-                                continue
-                            wake.set()  # part of it is left in the channel: flush it
-                            continue
-                        except trio.WouldBlock:
-                            pass
-                        except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
-                            ended.set()
-                            reader.discard(channel)
-                            return
-                    outbox.append(reply)
-                    wake.set()
+    def _tick(self, now: float) -> None:
+        if self.channel is not None:
+            self._send(self.loop.tick(now))
 
-        def on_end(error: Exception | None) -> None:
-            ended.set()
+    def _heartbeat(self, now: float) -> None:
+        beat = self.loop.heartbeat()
+        if self.channel is None or beat is None:
+            return
+        self.metronome.at(now + HEARTBEAT_PERIOD_S, self._heartbeat)
+        self._send([beat])
 
-        reader.add(channel, on_messages, on_end)
-        try:
-            async with trio.open_nursery() as nursery:
+    def _sending(self, messages: Sequence[Message], at: float) -> None:
+        """``messages`` were handed to the Channel at ``at`` (no await in between)."""
+        self.recorder.sending(self.rank, messages, at)
 
-                async def writer() -> None:
-                    nonlocal wake
-                    while True:
-                        await wake.wait()
-                        wake = trio.Event()
-                        await channel.flush()
-                        while outbox:
-                            batch = self._outgoing(outbox[:])
-                            outbox.clear()
-                            await channel.send_many(batch)
-
-                nursery.start_soon(writer)
-                await ended.wait()
-                nursery.cancel_scope.cancel()
-        finally:
-            reader.discard(channel)
-
-    def _outgoing(self, messages: Sequence[Message]) -> Sequence[Message]:
-        """``messages`` as they go out now: stamped, or with their send times recorded."""
-        recorder = self.recorder
-        if recorder.measuring:
-            for message in messages:
-                recorder.sent[type(message).__name__] += 1
-        if self.stamp:
-            at = time.perf_counter()
-            return [stamp_message(message, at) for message in messages]
-        for _ in messages:
-            recorder.sending(self.rank)
-        return messages
-
-    async def send(self, channel: Channel, message: Message) -> None:
-        await channel.send_many(self._outgoing((message,)))
-
-    async def _send_from_metronome(self, messages: Sequence[Message]) -> None:
+    def _send(self, messages: list[Message]) -> None:
+        """Write ``messages`` now if the stream takes them, else queue them for the writer."""
         channel = self.channel
         if channel is None:
             return
-        messages = self._outgoing(messages)
-        try:
-            # Written at once where the stream takes it (no checkpoint): a slot's sends then
-            # land together, as sends from many machines would, instead of one per scheduler
-            # batch. A full stream waits, as a real rank would.
+        if messages and not self.outbox:
+            at = trio.current_time()
             try:
-                if not channel.send_nowait(messages):
-                    await channel.flush()
-            except trio.WouldBlock:
-                await channel.send_many(messages)
-        except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
-            self.channel = None  # the receive task sees the end too and returns
-
-    async def heartbeat(self, now: float) -> None:
-        if self.channel is None:
-            return
-        self.metronome.at(now + HEARTBEAT_PERIOD_S, self.heartbeat)
-        await self._send_from_metronome((Heartbeat(rank=self.rank, step_count=self.step_count),))
-
-    def _resume_batches(self) -> None:
-        """Work arrived or a throttle lifted: go on at the next grid tick (if idle)."""
-        if self.next_tick is None and self.work > 0 and not self.throttled:
-            now = trio.current_time()
-            self.next_tick = _next_grid_tick(now, self.batch_phase, BATCH_PERIOD_S)
-            self.metronome.at(self.next_tick, self.batch)
-
-    async def batch(self, now: float) -> None:
-        """One grid tick: finish a batch if work is held (and the Metrics frame at its end)."""
-        tick = self.next_tick
-        assert tick is not None
-        if self.channel is None or self.work == 0 or self.throttled:
-            self.next_tick = None  # idle until work arrives or the throttle lifts
-            return
-        next_tick = tick + BATCH_PERIOD_S
-        if next_tick <= now:  # the metronome fell a whole period behind: skip missed ticks
-            if self.recorder.measuring:
-                self.recorder.late_rank_ticks += 1
-            next_tick = _next_grid_tick(now, self.batch_phase, BATCH_PERIOD_S)
-        self.next_tick = next_tick
-        self.metronome.at(next_tick, self.batch)
-        if self.chunk_batches == 0:
-            self.chunk_started = now - BATCH_PERIOD_S
-        self.work -= 1
-        self.step_count += 1
-        self.chunk_batches += 1
-        messages: list[Message] = [
-            Batch(
-                rank=self.rank,
-                batch_ms=BATCH_PERIOD_S * 1000.0,
-                data_ms=0.0,
-                step_count=self.step_count,
-                batch_loss=1.0,
-            )
-        ]
-        if self.work == 0:
-            messages.append(
-                Metrics(
-                    rank=self.rank,
-                    epoch=self.epoch,
-                    avg_loss=1.0,
-                    batches_processed=self.chunk_batches,
-                    samples_processed=self.chunk_batches,
-                    epoch_ms=(now - self.chunk_started) * 1000.0,
-                )
-            )
-            self.chunk_batches = 0
-        await self._send_from_metronome(messages)
-
-    async def receive(self, channel: Channel) -> None:
-        async for message in channel:
-            reply = self.handle(message)
-            if self.shut_down:
+                written = channel.send_nowait(messages)
+            except trio.WouldBlock:  # the writer holds the channel, or bytes are left over
+                pass
+            except (FlodlError, trio.BrokenResourceError, trio.ClosedResourceError):
+                self.channel = None
+                self.ended.set()
                 return
-            if reply is not None:
-                await self.send(channel, reply)
+            else:
+                self._sending(messages, at)
+                if not written:
+                    self._written.set()  # part of it is left in the channel: flush it
+                messages = []
+        self.outbox += messages
+        if self.outbox or self.loop.over:
+            self._written.set()  # after a goodbye the writer ends the rank once it is out
 
-    def handle(self, message: Message) -> Message | None:
-        """Act on one message from the coordinator; the answer to send (None: none). Sets
-        :attr:`shut_down` when the run is over for this rank."""
-        if self.recorder.measuring:
-            self.recorder.delivered[type(message).__name__] += 1
-        if isinstance(message, StartEpoch | ExtendPartition):
-            self.epoch = message.epoch
-            size = message.partition_size if isinstance(message, StartEpoch) else message.size
-            self.work += size  # batch size 1: one batch per sample
-            self._resume_batches()
-        elif isinstance(message, SyncNow):
-            self.throttled = False
-            self._resume_batches()
-            self.step_count += 1  # a finished collective bumps the step count
-            return SyncAck(rank=self.rank, round=message.round, step_count=self.step_count)
-        elif isinstance(message, RequestNewGroup):
-            return NewGroupReady(rank=self.rank, generation=message.generation, info=b"sim")
-        elif isinstance(message, Throttle):
-            self.throttled = True
-        elif isinstance(message, Shutdown | ShutdownWithSave):
-            self.shut_down = True
-        return None
+    async def _writer(self, channel: Channel) -> None:
+        while True:
+            await self._written.wait()
+            self._written = trio.Event()
+            await channel.flush()
+            while self.outbox:
+                batch, self.outbox = self.outbox, []
+                self._sending(batch, trio.current_time())
+                await channel.send_many(batch)
+            if self.loop.over:
+                self.ended.set()
+                return
 
 
 def _next_grid_tick(now: float, phase: float, period: float) -> float:
@@ -805,7 +853,7 @@ async def measure(ranks: int, seconds: float, seed: int, split: CpuSplit) -> dic
                 nursery.start_soon(rank_reader.run, name="LeanRank.reader")
                 for rank in range(ranks):
                     lean = LeanRank(rank, ranks, recorder, metronome, rng)
-                    nursery.start_soon(lean.run, coord.url, KEY, None, rank_reader)
+                    nursery.start_soon(lean.run, coord.url, KEY, rank_reader)
                 with trio.fail_after(WARMUP_LIMIT_S):
                     await recorder.warm.wait()
                 warm_at = trio.current_time()
@@ -1108,80 +1156,31 @@ def profile(run: Callable[[], object], top: int) -> None:
     stats.sort_stats(pstats.SortKey.CUMULATIVE).print_stats("flodl", top)
 
 
-# --- the split mode's load generator: lean ranks on raw non-blocking sockets -------------------
+# --- the split mode's load generator: simulated ranks on raw non-blocking sockets --------------
 #
 # The generator is the load, not the system under test: it must keep its schedule at 1,024
 # ranks on one core, or the coordinator sees bursts a real cluster would not send. So its ranks
-# skip everything a real worker needs and the coordinator cannot see: after the handshake each
-# rank's socket is a plain non-blocking socket; one task waits on an epoll set of all of them;
-# frames are built straight from field dicts (the same CBOR map and MAC the library's encoder
-# produces, byte for byte) and written at once; frames from the coordinator are split by their
-# header and only the payloads the ranks act on are decoded, without checking their MAC.
+# skip the parts of a real worker that the coordinator cannot see: after the handshake each
+# rank's socket is a plain non-blocking socket; one task waits on an epoll set of all of them,
+# and a rank's frames are written at once with a plain send. Framing is the library's own
+# (FrameEncoder, FrameDecoder) and every rank is a RankLoop around a RankMachine, as in the
+# in-process mode.
 
-_FRAME_HEADER = struct.Struct("<IHHIQ")
-"""magic, version, tag, payload length, sequence number (docs/wire.md)."""
-_TAG_NAMES = {cls.TAG: cls.__name__ for cls in BY_TAG.values()}
-RECEIVE_AT_ONCE = 64
-"""Sockets the generator reads before it lets its metronome run (a checkpoint)."""
-
-
-class FrameWriter:
-    """Frames field maps for one direction as :class:`~flodl.wire.codec.FrameEncoder` does."""
-
-    def __init__(self, key: bytes) -> None:
-        self._mac = hmac.new(key, digestmod=hashlib.sha256)
-        self._seq = 0
-
-    def frame(self, tag: int, fields: dict[str, Any]) -> bytes:
-        payload = cbor2.dumps(fields)
-        header = _FRAME_HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, tag, len(payload), self._seq)
-        self._seq += 1
-        mac = self._mac.copy()
-        mac.update(header)
-        mac.update(payload)
-        return b"".join((header, mac.digest(), payload))
-
-
-class FrameSplitter:
-    """Cuts the coordinator's byte stream into (tag, payload) pairs (trusted: no MAC check)."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        buffer = self._buffer + data if self._buffer else data
-        frames: list[tuple[int, bytes]] = []
-        at = 0
-        while len(buffer) - at >= PREFIX_SIZE:
-            _, _, tag, length, _ = _FRAME_HEADER.unpack_from(buffer, at)
-            end = at + PREFIX_SIZE + length
-            if end > len(buffer):
-                break
-            frames.append((tag, buffer[at + PREFIX_SIZE : end]))
-            at = end
-        self._buffer = buffer[at:]
-        return frames
-
-
-class SyncMetronome(SlotTimer[Callable[[float], None]]):
-    """:class:`SlotTimer` for actions that do not wait: a due slot runs all of them in one go."""
-
-    async def run(self) -> None:
-        """Fire the slots as their time comes (late ones all at once) until cancelled."""
-        while True:
-            now, due = await self._next_slot()
-            for when, action in due:
-                self._record_lag(when)
-                action(now)
+RECEIVE_AT_ONCE = 16
+"""Sockets the generator reads before it lets its metronome run (a checkpoint). When a window
+ends every rank has messages at once, and each costs its machine tens of microseconds: 16
+keep the metronome's wait to about a millisecond, so the ranks' ticks stay on schedule."""
 
 
 class WireRank:
-    """One simulated rank of the generator: the work protocol of :class:`LeanRank`, with each
-    message stamped with its send time (:func:`stamp_message`'s fields) and written at once."""
+    """One simulated rank of the generator: its :class:`RankLoop` over a raw socket. Frames
+    from the coordinator are decoded into messages for the machine; what the machine sends
+    is stamped with its send time and framed as it is written (:func:`stamped_frames`)."""
 
     def __init__(
         self,
         rank: int,
+        world_size: int,
         hub: WireGenerator,
         sock: socket.socket,
         keys: SessionKeys,
@@ -1191,114 +1190,56 @@ class WireRank:
         self.rank = rank
         self.hub = hub
         self.sock = sock
-        self.writer = FrameWriter(keys.to_coordinator)
-        self.splitter = FrameSplitter()
+        self.encoder = FrameEncoder(keys.to_coordinator)
+        self.decoder = FrameDecoder(keys.to_rank, allowed_tags=TO_RANK_TAGS)
         self.unsent = bytearray()
         """Bytes the socket did not take yet (written when it is writable again)."""
         self.open = True
-        self.batch_phase = batch_phase
         self.heartbeat_phase = heartbeat_phase
-        self.work = 0
-        self.epoch = 0
-        self.step_count = 0
-        self.chunk_batches = 0
-        self.chunk_started = 0.0
-        self.throttled = False
-        self.next_tick: float | None = None
+        self.loop = RankLoop(rank, world_size, batch_phase, hub.recorder, self._schedule)
 
-    def send(self, tag: int, fields: dict[str, Any]) -> None:
+    def _schedule(self, when: float) -> None:
+        self.hub.metronome.at(when, self.tick)
+
+    def start(self) -> None:
+        """Announce the job; heartbeats from the rank's phase on."""
+        now = trio.current_time()
+        self.send(self.loop.start(now))
+        self.hub.metronome.at(now + self.heartbeat_phase, self.heartbeat)
+
+    def tick(self, now: float) -> None:
         if self.open:
-            self.hub.write(self, self.writer.frame(tag, fields))
-            if self.hub.recorder.measuring:
-                self.hub.recorder.sent[_TAG_NAMES[tag]] += 1
+            self.send(self.loop.tick(now))
 
     def heartbeat(self, now: float) -> None:
-        if not self.open:
+        beat = self.loop.heartbeat()
+        if not self.open or beat is None:
             return
         self.hub.metronome.at(now + HEARTBEAT_PERIOD_S, self.heartbeat)
-        at = round(time.perf_counter() * 1e6)
-        self.send(Heartbeat.TAG, {"rank": self.rank, "step_count": at})
+        self.send([beat])
 
-    def resume_batches(self) -> None:
-        if self.next_tick is None and self.work > 0 and not self.throttled:
-            self.next_tick = _next_grid_tick(trio.current_time(), self.batch_phase, BATCH_PERIOD_S)
-            self.hub.metronome.at(self.next_tick, self.batch)
+    def received(self, data: bytes, now: float) -> None:
+        """Act on the bytes that arrived, message by message."""
+        self.decoder.feed(data)
+        messages: list[Message] = []
+        self.decoder.read_into(messages)
+        recorder, loop = self.hub.recorder, self.loop
+        for message in messages:
+            if recorder.measuring:
+                recorder.delivered[type(message).__name__] += 1
+            self.send(loop.receive(message, now))
+            if not self.open:
+                return
 
-    def batch(self, now: float) -> None:
-        tick = self.next_tick
-        assert tick is not None
-        if not self.open or self.work == 0 or self.throttled:
-            self.next_tick = None
+    def send(self, messages: Sequence[Message]) -> None:
+        """Write ``messages``, stamped now; after the goodbye, hang up once it is written."""
+        if not self.open:
             return
-        next_tick = tick + BATCH_PERIOD_S
-        if next_tick <= now:
-            if self.hub.recorder.measuring:
-                self.hub.recorder.late_rank_ticks += 1
-            next_tick = _next_grid_tick(now, self.batch_phase, BATCH_PERIOD_S)
-        self.next_tick = next_tick
-        self.hub.metronome.at(next_tick, self.batch)
-        if self.chunk_batches == 0:
-            self.chunk_started = now - BATCH_PERIOD_S
-        self.work -= 1
-        self.step_count += 1
-        self.chunk_batches += 1
-        at = time.perf_counter()
-        self.send(
-            Batch.TAG,
-            {
-                "rank": self.rank,
-                "batch_ms": BATCH_PERIOD_S * 1000.0,
-                "data_ms": 0.0,
-                "step_count": self.step_count,
-                "batch_loss": at,
-                "param_norm": None,
-                "sync_divergence": None,
-            },
-        )
-        if self.work == 0:
-            self.send(
-                Metrics.TAG,
-                {
-                    "rank": self.rank,
-                    "epoch": self.epoch,
-                    "avg_loss": at,
-                    "batches_processed": self.chunk_batches,
-                    "samples_processed": self.chunk_batches,
-                    "epoch_ms": (now - self.chunk_started) * 1000.0,
-                    "scalars": {},
-                },
-            )
-            self.chunk_batches = 0
-
-    def received(self, tag: int, payload: bytes) -> None:
-        """Act on one frame from the coordinator (as :meth:`LeanRank.receive` does)."""
-        if tag == StartEpoch.TAG or tag == ExtendPartition.TAG:
-            fields = cbor2.loads(payload)
-            self.epoch = fields["epoch"]
-            self.work += fields["partition_size" if tag == StartEpoch.TAG else "size"]
-            self.resume_batches()
-        elif tag == SyncNow.TAG:
-            self.throttled = False
-            self.resume_batches()
-            self.step_count += 1
-            ack = {
-                "rank": self.rank,
-                "round": cbor2.loads(payload)["round"],
-                "step_count": self.step_count,
-                "divergence": None,
-                "post_norm": None,
-                "pre_norm": time.perf_counter(),
-            }
-            self.send(SyncAck.TAG, ack)
-        elif tag == RequestNewGroup.TAG:
-            generation = cbor2.loads(payload)["generation"]
-            self.send(
-                NewGroupReady.TAG, {"rank": self.rank, "generation": generation, "info": b"sim"}
-            )
-        elif tag == Throttle.TAG:
-            self.throttled = True
-        elif tag == Shutdown.TAG or tag == ShutdownWithSave.TAG:
-            self.hub.close(self)
+        if messages:
+            self.hub.write(self, stamped_frames(self.encoder, messages, time.perf_counter()))
+            self.hub.recorder.count_sent(messages)
+        if self.loop.over:
+            self.hub.hang_up(self)
 
 
 class WireGenerator:
@@ -1306,9 +1247,11 @@ class WireGenerator:
 
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
-        self.metronome = SyncMetronome(recorder)
+        self.metronome = Metronome(recorder)
         self._epoll = select.epoll()
         self._by_fd: dict[int, WireRank] = {}
+        self._hanging_up: set[WireRank] = set()
+        """Ranks that said goodbye and close once their unsent bytes are written."""
 
     def add(self, rank: WireRank) -> None:
         self._by_fd[rank.sock.fileno()] = rank
@@ -1340,9 +1283,20 @@ class WireGenerator:
             return
         del rank.unsent[:sent]
         if not rank.unsent:
-            self._epoll.modify(rank.sock.fileno(), select.EPOLLIN)
+            if rank in self._hanging_up:
+                self.close(rank)
+            else:
+                self._epoll.modify(rank.sock.fileno(), select.EPOLLIN)
+
+    def hang_up(self, rank: WireRank) -> None:
+        """Close ``rank``'s socket once everything it sent is written."""
+        if not rank.unsent:
+            self.close(rank)
+        else:
+            self._hanging_up.add(rank)
 
     def close(self, rank: WireRank) -> None:
+        self._hanging_up.discard(rank)
         if rank.open:
             rank.open = False
             del self._by_fd[rank.sock.fileno()]
@@ -1363,12 +1317,13 @@ class WireGenerator:
             for start in range(0, len(events), RECEIVE_AT_ONCE):
                 if start:
                     await trio.lowlevel.checkpoint()
+                now = trio.current_time()
                 for fd, flags in events[start : start + RECEIVE_AT_ONCE]:
                     rank = self._by_fd.get(fd)
                     if rank is not None:
-                        self._ready(rank, flags)
+                        self._ready(rank, flags, now)
 
-    def _ready(self, rank: WireRank, flags: int) -> None:
+    def _ready(self, rank: WireRank, flags: int, now: float) -> None:
         if flags & select.EPOLLOUT and rank.unsent:
             self._flush(rank)
         if not flags & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) or not rank.open:
@@ -1382,13 +1337,7 @@ class WireGenerator:
         if not data:
             self.close(rank)
             return
-        measuring = self.recorder.measuring
-        for tag, payload in rank.splitter.feed(data):
-            if measuring:
-                self.recorder.delivered[_TAG_NAMES.get(tag, str(tag))] += 1
-            rank.received(tag, payload)
-            if not rank.open:
-                return
+        rank.received(data, now)
 
 
 async def open_wire_rank(
@@ -1436,11 +1385,9 @@ async def run_generator(url: str, ranks: range, world_size: int, seed: int) -> N
     async def join(rank: int) -> None:
         async with limiter:
             sock, keys = await open_wire_rank(url, KEY, rank, world_size)
-        wire = WireRank(rank, hub, sock, keys, *phases[rank])
+        wire = WireRank(rank, world_size, hub, sock, keys, *phases[rank])
         hub.add(wire)
-        ready = {"rank": rank, "dataset_size": DATASET_SIZE, "batch_size": 1, "epochs": 1}
-        wire.send(Ready.TAG, ready)
-        hub.metronome.at(trio.current_time() + wire.heartbeat_phase, wire.heartbeat)
+        wire.start()
 
     try:
         async with trio.open_nursery() as nursery:

@@ -1,5 +1,6 @@
 """Smoke run of bench/coordinator_scale.py (both modes, 8 ranks, 2 s) and checks of its parts:
-send stamps, clocks, rank partitions, and that load-generator processes are always reaped."""
+send stamps, clocks, the simulated rank around its RankMachine, rank partitions, and that
+load-generator processes are always reaped."""
 
 from __future__ import annotations
 
@@ -15,7 +16,22 @@ from types import ModuleType
 import pytest
 import trio
 
-from flodl.wire.messages import Batch, Heartbeat, Metrics, NewGroupReady, Ready, SyncAck
+from flodl.wire.codec import FrameDecoder, FrameEncoder
+from flodl.wire.messages import (
+    Batch,
+    Heartbeat,
+    Message,
+    Metrics,
+    NewGroupReady,
+    NewGroupSession,
+    Ready,
+    RequestNewGroup,
+    SaveReason,
+    ShutdownWithSave,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+)
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "coordinator_scale.py"
 
@@ -52,27 +68,74 @@ def test_ticks_stay_on_the_rank_grid() -> None:
 
 def test_send_stamps_round_trip_through_the_fields_the_machine_ignores() -> None:
     bench = load_bench()
+    key = b"stamp-test-key-0123456789abcdef!"
     at = 123456.789012
-    batch = Batch(rank=3, batch_ms=100.0, data_ms=0.0, step_count=7, batch_loss=1.0)
-    stamped = bench.stamp_message(batch, at)
-    assert stamped.batch_loss == at
-    # Everything the machine acts on is unchanged.
-    assert (stamped.rank, stamped.step_count, stamped.batch_ms) == (3, 7, 100.0)
-    heartbeat = bench.stamp_message(Heartbeat(rank=1, step_count=5), at)
-    assert heartbeat.step_count == 123456789012  # whole microseconds
-    assert bench.stamp_of(heartbeat) == pytest.approx(at, abs=1e-6)
-    metrics = Metrics(
-        rank=1, epoch=0, avg_loss=1.0, batches_processed=4, samples_processed=4, epoch_ms=1.0
-    )
-    assert bench.stamp_of(bench.stamp_message(metrics, at)) == at
-    ack = bench.stamp_message(SyncAck(rank=2, round=4, step_count=9), at)
-    assert (ack.round, ack.step_count, ack.divergence, ack.pre_norm) == (4, 9, None, at)
-    for unstamped in (
+    sent = [
+        Batch(rank=3, batch_ms=100.0, data_ms=0.0, step_count=7, batch_loss=1.0),
+        Heartbeat(rank=1, step_count=5),
+        Metrics(
+            rank=1, epoch=0, avg_loss=1.0, batches_processed=4, samples_processed=4, epoch_ms=1.0
+        ),
+        SyncAck(rank=2, round=4, step_count=9),
         Ready(rank=0, dataset_size=10, batch_size=1, epochs=1),
         NewGroupReady(rank=0, generation=1, info=b"x"),
-    ):
-        assert bench.stamp_message(unstamped, at) is unstamped
-        assert bench.stamp_of(unstamped) is None
+    ]
+    # The generator's frames, decoded as the coordinator decodes them (MAC and sequence checked).
+    decoder = FrameDecoder(key)
+    decoder.feed(bench.stamped_frames(FrameEncoder(key), sent, at))
+    batch, heartbeat, metrics, ack, *unstamped = decoder
+    assert isinstance(batch, Batch) and isinstance(heartbeat, Heartbeat)
+    assert isinstance(metrics, Metrics) and isinstance(ack, SyncAck)
+    assert batch.batch_loss == at
+    # Everything the machine acts on is unchanged.
+    assert (batch.rank, batch.step_count, batch.batch_ms) == (3, 7, 100.0)
+    assert heartbeat.step_count == 123456789012  # whole microseconds
+    assert bench.stamp_of(heartbeat) == pytest.approx(at, abs=1e-6)
+    assert bench.stamp_of(metrics) == at
+    assert (metrics.epoch, metrics.batches_processed, metrics.epoch_ms) == (0, 4, 1.0)
+    assert (ack.round, ack.step_count, ack.divergence, ack.pre_norm) == (4, 9, None, at)
+    assert unstamped == sent[4:]
+    for message in unstamped:
+        assert bench.stamp_of(message) is None
+
+
+async def test_a_simulated_rank_is_its_machine_on_the_grid() -> None:
+    bench = load_bench()
+    ticks: list[float] = []
+    loop = bench.RankLoop(0, 1, 0.05, bench.Recorder(1), ticks.append)
+    now = trio.current_time()
+
+    def kinds(messages: list[Message]) -> list[str]:
+        return [type(message).__name__ for message in messages]
+
+    (ready,) = loop.start(now)
+    assert ready == Ready(rank=0, dataset_size=10**9, batch_size=1, epochs=1)
+    (group,) = loop.receive(RequestNewGroup(generation=1, world_size=1), now)
+    assert group == NewGroupReady(rank=0, generation=1, info=b"sim")
+    assert (
+        loop.receive(NewGroupSession(generation=1, new_rank=0, new_world_size=1, info=b""), now)
+        == []
+    )
+    # Waiting at the barrier: SyncNow is acked on receipt.
+    assert kinds(loop.receive(SyncNow(round=1, generation=1), now)) == ["SyncAck"]
+    # Work: the batch handed out finishes at the rank's next grid tick.
+    assert loop.receive(StartEpoch(epoch=0, partition_offset=0, partition_size=2), now) == []
+    assert ticks == [bench._next_grid_tick(now, 0.05, 0.1)]
+    # In the middle of a batch SyncNow waits for the next boundary, after the Batch.
+    assert loop.receive(SyncNow(round=2, generation=1), now) == []
+    batch, ack = loop.tick(ticks[-1])
+    assert isinstance(batch, Batch) and isinstance(ack, SyncAck)
+    assert (batch.step_count, ack.round, ack.step_count) == (2, 2, 3)
+    assert ticks[-1] == pytest.approx(ticks[0] + 0.1)
+    # The work runs dry: the last Batch and the chunk's Metrics, then the rank waits.
+    batch, metrics = loop.tick(ticks[-1])
+    assert isinstance(batch, Batch) and batch.batch_ms == pytest.approx(100.0)
+    assert isinstance(metrics, Metrics) and metrics.batches_processed == 2
+    assert len(ticks) == 2 and loop.heartbeat() == Heartbeat(rank=0, step_count=4)
+    # A rank waiting for work says goodbye on ShutdownWithSave, and is done.
+    goodbye = loop.receive(ShutdownWithSave(reason=SaveReason.GRACEFUL), ticks[-1])
+    assert kinds(goodbye) == ["Note", "Exiting"]
+    assert loop.over and loop.heartbeat() is None
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="CLOCK_MONOTONIC is system-wide on Linux")
