@@ -1,0 +1,73 @@
+"""How the run ends: completed, saved, or failed, and whether a stop must wait for a round.
+
+A run *completes* when every epoch is done or a stop without a save is asked for: everyone
+gets ``Shutdown``. A ``Shutdown`` sent while an averaging round is in flight would stop ranks
+in the middle of a collective, so it waits until the round settles (:attr:`Ending.pending`).
+A run that cannot go on (too many failures, a stalled average, no group could be formed) or a
+stop with a save is *saved*: ``ShutdownWithSave`` goes out at once to every rank still
+connected, whatever it is doing. A run whose world never formed *fails*. Pure: no clocks, no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from flodl.core.effects import Broadcast
+from flodl.core.timeline import EventKind, Timeline
+from flodl.wire.messages import SaveReason, Shutdown, ShutdownWithSave
+
+__all__ = ["Ending", "Outcome", "Status"]
+
+
+class Status(enum.Enum):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    SAVED = "saved"
+    FAILED = "failed"
+
+
+@attrs.frozen
+class Outcome:
+    """How the run ended (``status`` RUNNING until it has)."""
+
+    status: Status
+    save_reason: SaveReason | None = None
+    message: str = ""
+
+
+class Ending:
+    """The run's outcome, and a stop that waits for the round in flight (module docstring)."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        self._timeline = timeline
+        self.outcome = Outcome(Status.RUNNING)
+        self.pending = False
+        """A Shutdown waits for the round in flight to settle."""
+
+    @property
+    def over(self) -> bool:
+        """The run has ended."""
+        return self.outcome.status is not Status.RUNNING
+
+    def save(self, reason: SaveReason, now: float, why: str) -> list[Broadcast]:
+        """End the run with a save, at once."""
+        self.outcome = Outcome(Status.SAVED, reason, why)
+        self._timeline.add(now, EventKind.SAVE_REQUESTED, reason=reason.name, why=why)
+        return [Broadcast(ShutdownWithSave(reason=reason))]
+
+    def shutdown(self, now: float, why: str, *, round_in_flight: bool) -> list[Broadcast]:
+        """End the run without a save; while a round is in flight, only once it settles."""
+        if round_in_flight:
+            self.pending = True
+            return []
+        self.outcome = Outcome(Status.COMPLETED, None, why)
+        self._timeline.add(now, EventKind.SHUTDOWN, why=why)
+        return [Broadcast(Shutdown())]
+
+    def fail(self, now: float, why: str) -> list[Broadcast]:
+        """End a run that could not start."""
+        self.outcome = Outcome(Status.FAILED, None, why)
+        self._timeline.add(now, EventKind.SHUTDOWN, why=why)
+        return [Broadcast(Shutdown())]
