@@ -539,7 +539,7 @@ class RankLoop:
         schedule: Callable[[float], None],
     ) -> None:
         self.rank = rank
-        self.machine = RankMachine(rank, world_size, RANK_POLICY, trio.current_time())
+        self.machine = RankMachine(rank, world_size, RANK_POLICY)
         self.batch_phase = batch_phase
         self.recorder = recorder
         self._schedule = schedule

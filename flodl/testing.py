@@ -168,7 +168,7 @@ class ScriptedRank:
 
     def _reset(self) -> None:
         """Fresh process state: no work, no group, step count 0."""
-        self.machine = RankMachine(self.rank, self.world_size, Policy.CADENCE, trio.current_time())
+        self.machine = RankMachine(self.rank, self.world_size, Policy.CADENCE)
         self._group: SimulatedGroup | None = None
         self._silent = False
         self._abandon: trio.CancelScope | None = None
@@ -332,7 +332,7 @@ class ScriptedRank:
     async def _average(self, sync: SyncNow) -> list[RankEffect]:
         group = self._group
         if group is None or group.generation != sync.generation:
-            return []
+            return self.machine.average_finished(sync, None, 0.0)
         started = trio.current_time()
         with trio.CancelScope() as scope:
             self._abandon = scope

@@ -41,6 +41,7 @@ from flodl.core.job import Job
 from flodl.core.rank_effects import (
     Average,
     Blend,
+    BoundaryStep,
     CancelRound,
     DoomGroup,
     Finish,
@@ -54,13 +55,14 @@ from flodl.core.rank_effects import (
     SaveAndStop,
     SaveCheckpoint,
     Send,
+    Wait,
     Wake,
 )
-from flodl.core.rank_state import ENDING_STATES, TERMINAL, Move, RankState, next_state
+from flodl.core.rank_state import Lifecycle, Move, RankState
 from flodl.core.rank_times import RankTimes
 from flodl.core.rank_work import RankWork
 from flodl.core.work import BatchSlice
-from flodl.errors import ConfigError, FlodlError, OutOfTurn, ShutdownRequested, UnexpectedMessage
+from flodl.errors import ConfigError, FlodlError, OutOfTurn, UnexpectedMessage
 from flodl.wire.messages import (
     Batch,
     Checkpoint,
@@ -77,7 +79,6 @@ from flodl.wire.messages import (
     Ready,
     RequestNewGroup,
     SaveConsensusModel,
-    SaveReason,
     SetGlobalStep,
     Shutdown,
     ShutdownWithSave,
@@ -116,11 +117,12 @@ class _Background:
 class RankMachine:
     """One rank's protocol state. Every method is synchronous and returns at once."""
 
-    def __init__(self, rank: int, world_size: int, policy: Policy, now: float) -> None:
+    def __init__(self, rank: int, world_size: int, policy: Policy) -> None:
         self.rank = rank
         self.world_size = world_size
         self.policy = policy
-        self.state = RankState.JOINED
+        self.life = Lifecycle()
+        """The state (``life.state``) and why the run ended for this rank."""
         self.job: Job | None = None
         self.step_count = 0
         """Batches finished plus averages finished (what Batch/SyncAck/Heartbeat carry)."""
@@ -132,35 +134,15 @@ class RankMachine:
         """Batches run since the last average this rank took part in."""
         self.times = RankTimes()
         self.last_epoch: EpochAggregated | None = None
-        self.exit_reason: str | None = None
-        self.error: FlodlError | None = None
-        """Why the rank is LOST or STOPPED: what every later boundary raises."""
         self.throttled = False
         self.work: RankWork | None = None
         """The batches: queued, out, reserved (set when the job is announced)."""
         self._inbox: deque[Message] = deque()
         self._background: _Background | None = None
-        self._save_reason: SaveReason | None = None
+        self._step: BoundaryStep | None = None
+        """The step handed to the shell and not reported finished yet."""
 
     # --- the lifecycle -----------------------------------------------------------------------
-
-    def _move(self, move: Move) -> None:
-        self.state = next_state(self.state, move)
-
-    @property
-    def ending(self) -> bool:
-        """Shutdown or ShutdownWithSave arrived (or was carried out)."""
-        return self.state in ENDING_STATES or self.state in (RankState.EXITED, RankState.STOPPED)
-
-    @property
-    def done(self) -> bool:
-        """In a terminal state: nothing more will be sent or trained."""
-        return self.state in TERMINAL
-
-    @property
-    def takes_rounds(self) -> bool:
-        """A round may still start (not ending, not lost): worth waiting for a group."""
-        return self.state is RankState.TRAINING
 
     @property
     def current(self) -> BatchSlice | None:
@@ -182,11 +164,6 @@ class RankMachine:
         """Messages waiting for the next batch boundary."""
         return len(self._inbox)
 
-    def raise_if_lost(self) -> None:
-        if self.state is RankState.LOST:
-            assert self.error is not None
-            raise self.error
-
     def announce(self, job: Job) -> list[RankEffect]:
         """The training loop describes its job: ``Ready``. ConfigError for a job that cannot
         run or differs from the one announced before; an identical second call does nothing."""
@@ -195,12 +172,12 @@ class RankMachine:
                 raise ConfigError(f"this rank already announced {self.job}, not {job}")
             return []
         job.check()
-        self.raise_if_lost()
+        self.life.raise_if_lost()
         self.job = job
         self.work = RankWork(self.rank, job)
-        if self.state is not RankState.JOINED:
+        if self.life.state is not RankState.JOINED:
             return []  # the run ended before the job was described: nothing to announce
-        self._move(Move.ANNOUNCE)
+        self.life.move(Move.ANNOUNCE)
         ready = Ready(
             rank=self.rank,
             dataset_size=job.dataset_size,
@@ -212,23 +189,18 @@ class RankMachine:
     def connection_lost(self, error: FlodlError) -> list[Reaction]:
         """The coordinator fell silent or the connection broke. Once ending this changes
         nothing (the rank is leaving anyway)."""
-        if self.state not in (RankState.JOINED, RankState.TRAINING):
-            return []
-        self._move(Move.LOSE)
-        self.error = error
-        self.exit_reason = f"coordinator_lost: {error}"
-        return [GiveUp(error), CancelRound(), Wake()]
-
-    def note_exit(self, reason: str) -> None:
-        """Why the training script left, unless the protocol already said why."""
-        if self.exit_reason is None:
-            self.exit_reason = reason
+        return [GiveUp(error), CancelRound(), Wake()] if self.life.lose(error) else []
 
     def tallies(self) -> dict[str, Any]:
         """What this rank did, for its exit report (``rank<N>.json``)."""
         counts = {"steps": self.step_count, "batches": self.batches, "syncs": self.syncs}
         times = {k: getattr(self.times, k) for k in ("idle_s", "averaging_s", "startup_s")}
-        return {**counts, "global_step": self.global_step, **times, "exit_reason": self.exit_reason}
+        return {
+            **counts,
+            "global_step": self.global_step,
+            **times,
+            "exit_reason": self.life.exit_reason,
+        }
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(rank=self.rank, step_count=self.step_count)
@@ -238,14 +210,16 @@ class RankMachine:
     def receive(self, message: Message) -> list[Reaction]:
         """Act on one message from the coordinator; what must wait for a boundary is queued.
 
-        UnexpectedMessage for work, SyncNow or Checkpoint before the job was announced.
-        Once the rank is ending or done, messages are dropped (the run is over for it).
+        UnexpectedMessage for work, SyncNow or Checkpoint before the job was announced. Once
+        the rank is ending, work, rounds and throttles are dropped (group messages still act:
+        a collective in flight must still be abandoned); once it is done, everything is.
         """
-        if self.state is RankState.JOINED and isinstance(message, _NEEDS_JOB):
+        life = self.life
+        if life.state is RankState.JOINED and isinstance(message, _NEEDS_JOB):
             raise UnexpectedMessage(
                 f"rank {self.rank}: {type(message).__name__} before the job was announced"
             )
-        if self.done:
+        if life.done:
             return []
         if isinstance(message, CoordHeartbeat):
             return []
@@ -260,7 +234,7 @@ class RankMachine:
             return [PrepareGroup(message), Wake()]
         if isinstance(message, NewGroupSession):
             return [JoinGroup(message), Wake()]
-        if self.ending:
+        if life.ending:
             return []  # work, rounds and throttles no longer matter
         return self._on_training_message(message)
 
@@ -289,13 +263,9 @@ class RankMachine:
         return [Wake()]
 
     def _on_shutdown(self, message: Shutdown | ShutdownWithSave) -> list[Reaction]:
-        if self.ending:
+        reason = message.reason if isinstance(message, ShutdownWithSave) else None
+        if not self.life.shut_down(reason):
             return []
-        if isinstance(message, ShutdownWithSave):
-            self._move(Move.SHUTDOWN_WITH_SAVE)
-            self._save_reason = message.reason
-        else:
-            self._move(Move.SHUTDOWN)
         self.throttled = False
         return [CancelRound(), Wake()]
 
@@ -305,6 +275,8 @@ class RankMachine:
         """The training loop waits for its next batch from ``now`` (see :meth:`boundary`)."""
         if self.job is None:
             raise OutOfTurn("announce the job (dataset_size, batch_size, epochs) first")
+        if self.current is not None:
+            raise OutOfTurn("the batch handed out is not done: report it (batch_done) first")
         self.times.enter(now)
 
     def leave_boundary(self, now: float) -> None:
@@ -317,29 +289,40 @@ class RankMachine:
     def boundary(self, now: float) -> list[RankEffect]:
         """The next thing to do at the boundary: reactions, then one step (see
         :mod:`flodl.core.rank_effects`). After a step that takes time, report its end, then
-        call again; after :class:`Wait`, call again once something changed."""
+        call again; after :class:`Wait`, call again once something changed. Bad work
+        queued behind other messages raises ProtocolError here, to the training loop."""
         if not self.times.in_boundary:
             raise OutOfTurn("boundary() outside enter_boundary() / leave_boundary()")
-        state = self.state
+        life = self.life
+        state = life.state
         if state is RankState.LOST or state is RankState.STOPPED:
-            assert self.error is not None
-            return [Raise(self.error)]
+            assert life.error is not None
+            return [Raise(life.error)]
         if state is RankState.EXITED:
             return [Finish()]
+        if self._step is not None:
+            raise OutOfTurn(f"boundary() before the {type(self._step).__name__} step finished")
         if state is RankState.ENDING:
-            goodbye = self._goodbye(Move.GOODBYE, "shut down by the coordinator", "completed")
-            return [*goodbye, Finish()]
+            life.move(Move.GOODBYE)
+            life.note_exit("completed")
+            return [*self._goodbye("shut down by the coordinator"), Finish()]
         if state is RankState.SAVE_PENDING:
-            assert self._save_reason is not None
-            self._move(Move.START_SAVE)
-            return [CancelRound(), SaveAndStop(self._save_reason.name)]
+            assert life.save_reason is not None
+            life.move(Move.START_SAVE)
+            self._step = SaveAndStop(life.save_reason.name)
+            return [CancelRound(), self._step]
         if state is RankState.SAVING:
             raise OutOfTurn("boundary() while the bundle is being saved")
-        step = self._next_queued()
+        background = self._background
+        if background is not None:  # its batches are settled before another round starts
+            if background.landed:
+                self._step = Blend(background.sync)
+                return [self._step]
+            if self._inbox and isinstance(self._inbox[0], SyncNow):
+                return [Wait()]  # a redo behind an abandoned round: it lands soon
+        step = self._step = self._next_queued()
         if step is not None:
             return [step]
-        if self._background is not None and self._background.landed:
-            return [Blend(self._background.sync)]
         assert self.work is not None
         return list(self.work.next_step(now, self.throttled))
 
@@ -357,9 +340,7 @@ class RankMachine:
                     return SaveCheckpoint(message)
         return None
 
-    def _goodbye(self, move: Move, why: str, exit_reason: str) -> list[RankEffect]:
-        self._move(move)
-        self.note_exit(exit_reason)
+    def _goodbye(self, why: str) -> list[RankEffect]:
         return [Send(Note(rank=self.rank, detail=why)), Send(Exiting(rank=self.rank))]
 
     # --- batches -------------------------------------------------------------------------
@@ -372,7 +353,7 @@ class RankMachine:
         background = self._background
         if (
             self.work is None
-            or self.state is not RankState.TRAINING
+            or not self.life.takes_rounds
             or self._inbox
             or self.throttled
             or (background is not None and background.landed)
@@ -419,23 +400,36 @@ class RankMachine:
             return 1 if group_rank == 0 else 0
         return self.since_average
 
+    def _finish_step(
+        self, call: str, kind: type[BoundaryStep], sync: SyncNow | None = None
+    ) -> None:
+        """End the outstanding step, which must be a ``kind`` (for ``sync``, if given)."""
+        step = self._step
+        if not isinstance(step, kind) or (isinstance(step, Average) and step.sync != sync):
+            out = "no step" if step is None else type(step).__name__
+            raise OutOfTurn(f"{call}() with no {kind.__name__} step for it outstanding ({out})")
+        self._step = None
+
     def average_finished(
         self, sync: SyncNow, figures: RoundFigures | None, elapsed_s: float
     ) -> list[RankEffect]:
         """A collective for ``sync`` ended after ``elapsed_s``: with its figures, SyncAck;
-        None (failed or abandoned): no ack, the coordinator re-forms and redoes the round."""
+        None (failed, abandoned, or this rank is not in the round's group): no ack, the
+        coordinator re-forms and redoes the round. Ends the Average step."""
+        self._finish_step("average_finished", Average, sync)
         self.times.averaging_s += elapsed_s
         if figures is None:
             return []
         self.since_average = 0
         return self._acknowledge(sync, figures)
 
-    def background_started(self, sync: SyncNow, batches: int) -> None:
-        """Async: a background round for ``sync`` reduces ``batches`` batches."""
-        if self._background is not None and not self._background.landed:
-            raise OutOfTurn("a background round is already in flight")
+    def background_started(self, sync: SyncNow) -> None:
+        """Async: the Average step's round for ``sync`` runs in the background on a snapshot
+        of the batches since the last average (ends the step; its start failing is
+        ``average_finished(sync, None, ...)``)."""
+        self._finish_step("background_started", Average, sync)
+        self._background = _Background(sync, self.since_average)
         self.since_average = 0
-        self._background = _Background(sync, batches)
 
     def background_landed(self) -> list[Reaction]:
         """Async: the background round's collective ended (its result waits to be blended)."""
@@ -447,9 +441,9 @@ class RankMachine:
     def blend_finished(self, figures: RoundFigures | None, elapsed_s: float) -> list[RankEffect]:
         """Async: the landed round was blended in (figures) or did not land (None: its
         batches count as never averaged)."""
+        self._finish_step("blend_finished", Blend)
         round_ = self._background
-        if round_ is None or not round_.landed:
-            raise OutOfTurn("blend_finished() with no landed background round")
+        assert round_ is not None
         self._background = None
         self.times.averaging_s += elapsed_s
         if figures is None:
@@ -476,6 +470,7 @@ class RankMachine:
         self, request: Checkpoint, elapsed_ms: float, error: str | None
     ) -> list[RankEffect]:
         """A Checkpoint's bundle was saved (or not: ``error``): CheckpointResult."""
+        self._finish_step("checkpoint_finished", SaveCheckpoint)
         result = CheckpointResult(
             rank=self.rank, version=request.version, elapsed_ms=elapsed_ms, error=error
         )
@@ -484,17 +479,9 @@ class RankMachine:
     def save_finished(self, outcome: str) -> list[RankEffect]:
         """The bundle for ShutdownWithSave was written (``outcome`` says where, or why not):
         goodbye; the next boundary raises ShutdownRequested to the loop."""
-        reason = self._save_reason
-        if reason is None or self.state is not RankState.SAVING:
-            raise OutOfTurn(f"save_finished() in state {self.state.value}")
-        self.error = ShutdownRequested(
-            f"coordinator asked to save and stop: {reason.name} ({outcome})", reason
-        )
-        return self._goodbye(
-            Move.SAVE_FINISHED,
-            f"saving and stopping: {reason.name}",
-            f"shutdown_with_save:{reason.name}",
-        )
+        self._finish_step("save_finished", SaveAndStop)
+        reason = self.life.saved(outcome)
+        return self._goodbye(f"saving and stopping: {reason.name}")
 
 
 def _finite(value: float) -> float | None:

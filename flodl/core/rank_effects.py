@@ -152,7 +152,8 @@ class Finish:
 
 @attrs.frozen
 class Raise:
-    """Raise ``error`` to the training loop (coordinator lost, a save-and-stop, bad work)."""
+    """Raise ``error`` to the training loop (the coordinator is lost, or it asked to save and
+    stop)."""
 
     error: Exception
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import enum
 
-from flodl.errors import OutOfTurn
+from flodl.errors import FlodlError, OutOfTurn, ShutdownRequested
+from flodl.wire.messages import SaveReason
 
-__all__ = ["IGNORED", "MOVES", "TERMINAL", "Move", "RankState", "next_state"]
+__all__ = ["IGNORED", "MOVES", "TERMINAL", "Lifecycle", "Move", "RankState", "next_state"]
 
 
 class RankState(enum.Enum):
@@ -89,3 +90,72 @@ def next_state(state: RankState, move: Move) -> RankState:
     if (state, move) in IGNORED:
         return state
     raise OutOfTurn(f"a rank in state {state.value} cannot {move.value}")
+
+
+class Lifecycle:
+    """One rank's state, moved only through :data:`MOVES`, and why it ended."""
+
+    def __init__(self) -> None:
+        self.state = RankState.JOINED
+        self.error: FlodlError | None = None
+        """Why the rank is LOST or STOPPED: what every later boundary raises."""
+        self.exit_reason: str | None = None
+        self.save_reason: SaveReason | None = None
+        """Why the coordinator asked to save and stop (ShutdownWithSave)."""
+
+    def move(self, move: Move) -> None:
+        self.state = next_state(self.state, move)
+
+    @property
+    def ending(self) -> bool:
+        """Shutdown or ShutdownWithSave arrived (or was carried out)."""
+        return self.state in ENDING_STATES or self.state in (RankState.EXITED, RankState.STOPPED)
+
+    @property
+    def done(self) -> bool:
+        """In a terminal state: nothing more will be sent or trained."""
+        return self.state in TERMINAL
+
+    @property
+    def takes_rounds(self) -> bool:
+        """A round may still start (not ending, not lost): worth waiting for a group."""
+        return self.state is RankState.TRAINING
+
+    def raise_if_lost(self) -> None:
+        if self.state is RankState.LOST:
+            assert self.error is not None
+            raise self.error
+
+    def note_exit(self, reason: str) -> None:
+        """Why the rank's run ended, unless that was already said."""
+        if self.exit_reason is None:
+            self.exit_reason = reason
+
+    def lose(self, error: FlodlError) -> bool:
+        """The coordinator is lost; False (nothing changes) once ending or ended."""
+        if self.state not in (RankState.JOINED, RankState.TRAINING):
+            return False
+        self.move(Move.LOSE)
+        self.error = error
+        self.note_exit(f"coordinator_lost: {error}")
+        return True
+
+    def shut_down(self, reason: SaveReason | None) -> bool:
+        """Shutdown (``reason`` None) or ShutdownWithSave arrived; False when already ending."""
+        if self.ending or self.done:
+            return False
+        self.move(Move.SHUTDOWN if reason is None else Move.SHUTDOWN_WITH_SAVE)
+        self.save_reason = reason
+        return True
+
+    def saved(self, outcome: str) -> SaveReason:
+        """The bundle for ShutdownWithSave was written (or not: ``outcome`` says): STOPPED,
+        and the error later boundaries raise. OutOfTurn unless saving."""
+        reason = self.save_reason
+        if reason is None or self.state is not RankState.SAVING:
+            raise OutOfTurn(f"save_finished() in state {self.state.value}")
+        self.move(Move.SAVE_FINISHED)
+        message = f"coordinator asked to save and stop: {reason.name} ({outcome})"
+        self.error = ShutdownRequested(message, reason)
+        self.note_exit(f"shutdown_with_save:{reason.name}")
+        return reason

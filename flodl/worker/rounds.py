@@ -90,7 +90,7 @@ class RoundRunner:
                 return False
             if standing is Standing.MEMBER:
                 return True
-            if not self._machine.takes_rounds:
+            if not self._machine.life.takes_rounds:
                 return False
             await changed.wait()
 
@@ -102,14 +102,13 @@ class RoundRunner:
         Cancelled (CancelRound) or failed rounds send no ack: the coordinator re-forms the
         group and redoes the round.
         """
-        if not await self._joined(sync):
-            return []
         machine = self._machine
+        if not await self._joined(sync):
+            return machine.average_finished(sync, None, 0.0)
         weight = machine.round_weight(sync, self._membership.group_rank)
         params, buffers = self._tensors()
         if background:
-            await self._start_background(sync, params, buffers, weight, nursery)
-            return []
+            return await self._start_background(sync, params, buffers, weight, nursery)
         result: AverageResult | None = None
         started = trio.current_time()
         with trio.CancelScope() as scope:
@@ -133,17 +132,18 @@ class RoundRunner:
         buffers: list[torch.Tensor],
         weight: int,
         nursery: trio.Nursery,
-    ) -> None:
+    ) -> list[RankEffect]:
+        machine = self._machine
+        started = trio.current_time()
         try:
             pending = await self._backend.start_background_average(nursery, params, buffers, weight)
         except BackendError as err:
-            log.warning(
-                "rank %d: round %d could not start: %s", self._machine.rank, sync.round, err
-            )
-            return
-        self._machine.background_started(sync, weight)
+            log.warning("rank %d: round %d could not start: %s", machine.rank, sync.round, err)
+            return machine.average_finished(sync, None, trio.current_time() - started)
+        machine.background_started(sync)
         self._pending, self._pending_sync = pending, sync
         nursery.start_soon(self._watch_landing, pending)
+        return []
 
     async def _watch_landing(self, pending: PendingAverage) -> None:
         await pending.wait()

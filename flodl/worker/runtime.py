@@ -95,9 +95,7 @@ class Worker:
         self.model = model
         self.optimizer = optimizer
         self.backend = backend
-        self.machine = RankMachine(
-            config.rank, config.world_size, config.policy, trio.current_time()
-        )
+        self.machine = RankMachine(config.rank, config.world_size, config.policy)
         self.final_metrics: dict[str, float] = {}
         self._started_at = trio.current_time()
         self._channel: Channel | None = None
@@ -172,7 +170,7 @@ class Worker:
             self._orders = EpochOrders(self.config.seed, dataset_size)
         self._perform(effects)
         await self._outbox.flush()
-        self.machine.raise_if_lost()
+        self.machine.life.raise_if_lost()
 
     async def next_batch(self) -> Assignment | None:
         """The next batch to train, after doing whatever the coordinator asked meanwhile.
@@ -191,7 +189,7 @@ class Worker:
                 self._boundary_scope = scope
                 batch = await self._boundary()
             if scope.cancelled_caught:
-                machine.raise_if_lost()
+                machine.life.raise_if_lost()
                 raise CoordinatorError("the worker is closing")
         finally:
             self._boundary_scope = None
@@ -327,7 +325,7 @@ class Worker:
                 after = await self._saver.save_and_stop(step.reason)
             self._perform(after)
             await self._outbox.flush()
-            machine.raise_if_lost()
+            machine.life.raise_if_lost()
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -347,11 +345,11 @@ class Worker:
     def note_exit(self, error: BaseException | None) -> None:
         """Record why the training script left the block (for ``rank<N>.json``)."""
         if error is None:
-            self.machine.note_exit("left the training loop")
+            self.machine.life.note_exit("left the training loop")
         elif isinstance(error, KeyboardInterrupt):
-            self.machine.note_exit("interrupted")
+            self.machine.life.note_exit("interrupted")
         else:
-            self.machine.note_exit(f"error: {type(error).__name__}: {error}")
+            self.machine.life.note_exit(f"error: {type(error).__name__}: {error}")
 
     def report(self) -> dict[str, Any]:
         """What ``rank<N>.json`` holds."""

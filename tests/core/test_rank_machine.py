@@ -94,10 +94,9 @@ def new_machine(
     rank: int = 0,
     world_size: int = 2,
     job: Job | None = JOB,
-    now: float = 0.0,
 ) -> RankMachine:
     """A machine for ``rank``, its job announced (``job=None``: still JOINED)."""
-    machine = RankMachine(rank, world_size, policy, now)
+    machine = RankMachine(rank, world_size, policy)
     if job is not None:
         ready = Ready(
             rank=rank, dataset_size=job.dataset_size, batch_size=job.batch_size, epochs=job.epochs
@@ -108,7 +107,7 @@ def new_machine(
 
 def state_of(machine: RankMachine) -> RankState:
     """The machine's state (a call, so that one check does not narrow the next for mypy)."""
-    return machine.state
+    return machine.life.state
 
 
 def sent(effects: Iterable[RankEffect]) -> list[Message]:
@@ -186,7 +185,7 @@ def drive_boundary(
             weight = machine.round_weight(step.sync, group_rank)
             out.weights.append(weight)
             if step.background:
-                machine.background_started(step.sync, weight)
+                machine.background_started(step.sync)
             else:
                 out.effects += machine.average_finished(step.sync, figures, average_s)
         elif isinstance(step, Blend):
@@ -197,7 +196,7 @@ def drive_boundary(
             out.effects += machine.save_finished(save_outcome)
         else:  # pragma: no cover - every step kind is handled above
             raise AssertionError(f"unknown step {step}")
-        machine.raise_if_lost()
+        machine.life.raise_if_lost()
     raise AssertionError("the boundary never settled")
 
 
@@ -589,9 +588,15 @@ def test_checkpoint_for_this_rank_is_saved_at_the_boundary_and_reported() -> Non
     assert machine.boundary(1.0) == [SaveCheckpoint(request)]
     result = machine.checkpoint_finished(request, 12.5, None)
     assert result == [Send(CheckpointResult(rank=1, version=4, elapsed_ms=12.5, error=None))]
-    failed = machine.checkpoint_finished(request, 1.0, "disk full")
-    assert sent(failed) == [CheckpointResult(rank=1, version=4, elapsed_ms=1.0, error="disk full")]
-    assert drive_boundary(machine, 2.0).steps == [HandOut(BatchSlice(0, 4, 8))]
+    with pytest.raises(OutOfTurn, match="checkpoint_finished"):  # reported once only
+        machine.checkpoint_finished(request, 1.0, None)
+    again = Checkpoint(version=5, target_rank=1)
+    machine.receive(again)
+    assert machine.boundary(1.5) == [SaveCheckpoint(again)]
+    failed = machine.checkpoint_finished(again, 1.0, "disk full")
+    assert sent(failed) == [CheckpointResult(rank=1, version=5, elapsed_ms=1.0, error="disk full")]
+    assert machine.boundary(2.0) == [HandOut(BatchSlice(0, 4, 8))]
+    machine.leave_boundary(2.0)
     assert machine.step_count == 1  # a checkpoint is not a step
 
 
@@ -614,8 +619,8 @@ def test_shutdown_says_goodbye_at_the_next_boundary_then_finishes_for_good() -> 
     next_batch(machine, 0.0)
     machine.receive(SyncNow(round=1, generation=0))  # queued: never averaged now
     assert machine.receive(Shutdown()) == [CancelRound(), Wake()]
-    assert state_of(machine) is RankState.ENDING and machine.ending and not machine.done
-    assert not machine.takes_rounds
+    assert state_of(machine) is RankState.ENDING and machine.life.ending and not machine.life.done
+    assert not machine.life.takes_rounds
     assert machine.reserve() is None
     machine.batch_done(0.5, 0.0, 1.0)  # the batch in hand is still reported
     bye = next_batch(machine, 2.0)
@@ -624,8 +629,8 @@ def test_shutdown_says_goodbye_at_the_next_boundary_then_finishes_for_good() -> 
         Send(Exiting(rank=1)),
         Finish(),
     ]
-    assert state_of(machine) is RankState.EXITED and machine.done
-    assert machine.exit_reason == "completed"
+    assert state_of(machine) is RankState.EXITED and machine.life.done
+    assert machine.life.exit_reason == "completed"
     for now in (3.0, 4.0):
         assert next_batch(machine, now).effects == [Finish()]
 
@@ -649,7 +654,7 @@ def test_shutdown_with_save_saves_then_says_goodbye_then_raises_with_the_reason(
         Send(Exiting(rank=1)),
     ]
     assert state_of(machine) is RankState.STOPPED
-    assert machine.exit_reason == "shutdown_with_save:REDUCE_STALL"
+    assert machine.life.exit_reason == "shutdown_with_save:REDUCE_STALL"
     for now in (2.0, 3.0):
         (step,) = machine.boundary(now)
         assert isinstance(step, Raise)
@@ -689,15 +694,15 @@ def test_connection_lost_gives_up_and_every_later_boundary_raises_it() -> None:
     next_batch(machine, 0.0)
     error = CoordinatorError("silent for 30 s")
     assert machine.connection_lost(error) == [GiveUp(error), CancelRound(), Wake()]
-    assert state_of(machine) is RankState.LOST and machine.done and machine.error is error
-    assert machine.exit_reason == "coordinator_lost: silent for 30 s"
+    assert state_of(machine) is RankState.LOST and machine.life.done and machine.life.error is error
+    assert machine.life.exit_reason == "coordinator_lost: silent for 30 s"
     with pytest.raises(CoordinatorError):
-        machine.raise_if_lost()
+        machine.life.raise_if_lost()
     machine.batch_done(0.5, 0.0, 1.0)  # never raises for a lost coordinator
     for now in (2.0, 3.0):
         assert next_batch(machine, now).effects == [Raise(error)]
     assert machine.connection_lost(CoordinatorError("again")) == []
-    assert machine.error is error
+    assert machine.life.error is error
     assert machine.receive(SyncNow(round=1, generation=0)) == []
 
 
@@ -713,9 +718,9 @@ def test_connection_lost_before_the_job_makes_announce_raise() -> None:
 def test_connection_lost_once_ending_changes_nothing(shutdown: Message) -> None:
     machine = new_machine(rank=1)
     machine.receive(shutdown)
-    state = machine.state
+    state = machine.life.state
     assert machine.connection_lost(CoordinatorError("gone")) == []
-    assert state_of(machine) is state and machine.error is None
+    assert state_of(machine) is state and machine.life.error is None
     machine.enter_boundary(0.0)
     steps = drive_boundary(machine, 0.0).steps
     machine.leave_boundary(0.0)
@@ -724,9 +729,11 @@ def test_connection_lost_once_ending_changes_nothing(shutdown: Message) -> None:
     else:
         assert [type(s) for s in steps] == [SaveAndStop, Raise]
         assert state_of(machine) is RankState.STOPPED
-        assert isinstance(machine.error, ShutdownRequested)
+        assert isinstance(machine.life.error, ShutdownRequested)
     assert machine.connection_lost(CoordinatorError("gone")) == []
-    assert machine.exit_reason is not None and "coordinator_lost" not in machine.exit_reason
+    assert (
+        machine.life.exit_reason is not None and "coordinator_lost" not in machine.life.exit_reason
+    )
 
 
 def test_connection_lost_while_saving_still_stops_after_the_save() -> None:
@@ -751,7 +758,7 @@ def test_async_round_runs_in_the_background_and_is_blended_at_a_later_boundary()
     machine.receive(sync)
     machine.enter_boundary(2.0)
     assert machine.boundary(2.0) == [Average(sync, background=True)]
-    machine.background_started(sync, 2)
+    machine.background_started(sync)
     assert machine.since_average == 0
     assert drive_boundary(machine, 2.0).batch == BatchSlice(0, 8, 12)  # training goes on
     machine.leave_boundary(2.0)
@@ -798,19 +805,29 @@ def test_async_background_round_calls_out_of_turn() -> None:
     assert machine.background_landed() == []  # nothing in flight: nothing to wake
     with pytest.raises(OutOfTurn):
         machine.blend_finished(FIGURES, 0.0)  # nothing landed
-    machine.background_started(sync, 0)
+    with pytest.raises(OutOfTurn, match="background_started"):
+        machine.background_started(sync)  # no Average step asked for it
+    machine.batch_done(0.1, 0.0, 0.5)
+    machine.receive(sync)
+    machine.enter_boundary(0.5)
+    assert machine.boundary(0.5) == [Average(sync, background=True)]
+    with pytest.raises(OutOfTurn, match="background_started"):
+        machine.background_started(SyncNow(round=2, generation=0))  # not the step's round
+    machine.background_started(sync)
+    assert machine.boundary(0.5) == [HandOut(BatchSlice(0, 4, 8))]
+    machine.leave_boundary(0.5)
     with pytest.raises(OutOfTurn):
         machine.blend_finished(FIGURES, 0.0)  # in flight, not landed
-    with pytest.raises(OutOfTurn, match="in flight"):
-        machine.background_started(SyncNow(round=2, generation=0), 0)
+    with pytest.raises(OutOfTurn, match="background_started"):
+        machine.background_started(SyncNow(round=2, generation=0))
     assert machine.background_landed() == [Wake()]
     assert machine.reserve() is None  # a landed round needs a boundary
     machine.batch_done(0.1, 0.0, 1.0)
     machine.enter_boundary(1.0)
     assert machine.boundary(1.0) == [Blend(sync)]
     machine.blend_finished(FIGURES, 0.0)
-    assert machine.reserve() == BatchSlice(0, 4, 8)  # once blended, it reserves again
-    assert machine.boundary(1.0) == [HandOut(BatchSlice(0, 4, 8), reserved=True)]
+    assert machine.reserve() == BatchSlice(0, 8, 12)  # once blended, it reserves again
+    assert machine.boundary(1.0) == [HandOut(BatchSlice(0, 8, 12), reserved=True)]
 
 
 # --- reserve / take_reserved -----------------------------------------------------------------
@@ -910,7 +927,7 @@ def test_a_reserved_batch_waits_out_a_throttle_and_a_queued_sync() -> None:
 
 
 def test_time_before_the_first_batch_is_startup_and_after_it_idle() -> None:
-    machine = new_machine(now=0.0)
+    machine = new_machine()
     times = machine.times
     machine.enter_boundary(1.0)
     assert drive_boundary(machine, 1.0).last == Wait()
@@ -989,11 +1006,6 @@ def test_the_completion_frame_counts_the_idle_time_within_its_chunk() -> None:
 # --- found bugs ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="boundary() hands out a new batch while the previous one was never reported done: "
-    "its Batch report is lost (take_reserved reports it with a NaN loss; boundary does not)",
-)
 def test_a_batch_still_out_at_the_boundary_is_reported_or_refused() -> None:
     machine = new_machine()
     machine.receive(epoch_work(0, 0, 20))
@@ -1006,13 +1018,6 @@ def test_a_batch_still_out_at_the_boundary_is_reported_or_refused() -> None:
     assert machine.step_count == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OutOfTurn,
-    reason="Async: a SyncNow queued while an earlier background round is still in flight "
-    "(DeclareDead, then the coordinator's redo) makes boundary() return Average(background) "
-    "that background_started() then refuses with OutOfTurn",
-)
 def test_async_redo_after_declare_dead_while_a_round_is_in_flight() -> None:
     machine = new_machine(Policy.ASYNC)
     machine.receive(epoch_work(0, 0, 20))
@@ -1030,13 +1035,6 @@ def test_async_redo_after_declare_dead_while_a_round_is_in_flight() -> None:
     assert weights == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="Async: a background round that landed but was not blended yet is replaced by the "
-    "next queued SyncNow (the inbox is served before Blend and background_started accepts a "
-    "landed round): the landed round is neither blended nor put back, its batches vanish",
-)
 def test_async_landed_round_is_not_lost_to_the_next_sync() -> None:
     machine = new_machine(Policy.ASYNC)
     machine.receive(epoch_work(0, 0, 20))
@@ -1053,11 +1051,6 @@ def test_async_landed_round_is_not_lost_to_the_next_sync() -> None:
     assert _until_average(machine, 3.0, redo) == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="average_finished() is accepted with no Average step outstanding: it sends a SyncAck "
-    "for a round this rank was never asked to average (and counts a step)",
-)
 def test_average_finished_without_an_average_step_is_out_of_turn() -> None:
     machine = new_machine()
     with pytest.raises(OutOfTurn):
@@ -1065,11 +1058,6 @@ def test_average_finished_without_an_average_step_is_out_of_turn() -> None:
     assert machine.step_count == 0 and machine.syncs == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="checkpoint_finished() is accepted with no SaveCheckpoint step outstanding: it sends "
-    "a CheckpointResult for a checkpoint the coordinator never asked this rank for",
-)
 def test_checkpoint_finished_without_a_checkpoint_step_is_out_of_turn() -> None:
     machine = new_machine(rank=0)
     machine.receive(Checkpoint(version=3, target_rank=1))  # another rank's checkpoint
@@ -1089,7 +1077,7 @@ def _until_average(machine: RankMachine, now: float, sync: SyncNow) -> int:
         elif isinstance(step, Average):
             assert step.sync == sync
             weight = machine.round_weight(sync, group_rank=0)
-            machine.background_started(sync, weight)
+            machine.background_started(sync)
             return weight
         else:
             raise AssertionError(f"unexpected step {step}")

@@ -131,7 +131,11 @@ class Seen:
 
 def seen(machine: RankMachine) -> Seen:
     return Seen(
-        machine.state, machine.queued, machine.throttled, machine.global_step, machine.last_epoch
+        machine.life.state,
+        machine.queued,
+        machine.throttled,
+        machine.global_step,
+        machine.last_epoch,
     )
 
 
@@ -248,7 +252,7 @@ def test_each_message_once_done_is_dropped(state: RankState, name: str) -> None:
     machine = machine_in(state)
     before = seen(machine)
     assert deliver(machine, MESSAGES[name]) == ([], before)
-    assert machine.done
+    assert machine.life.done
 
 
 @pytest.mark.parametrize("name", NEEDS_JOB)
@@ -282,7 +286,7 @@ def test_the_next_boundary_in_each_state() -> None:
     assert state_of(pending) is S.SAVING
     saving = machine_in(S.SAVING)
     saving.enter_boundary(5.0)
-    with pytest.raises(OutOfTurn, match="saved"):
+    with pytest.raises(OutOfTurn, match="SaveAndStop"):
         saving.boundary(5.0)
     assert next_batch(machine_in(S.EXITED), 5.0).effects == [Finish()]
     (stopped,) = next_batch(machine_in(S.STOPPED), 5.0).effects

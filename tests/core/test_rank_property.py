@@ -196,7 +196,7 @@ class Run:
         assert batch is not None and self.takeable
         # Taken without a boundary: nothing may be waiting for one.
         assert self.machine.queued == 0 and not self.machine.throttled
-        assert self.machine.state is RankState.TRAINING
+        assert self.machine.life.state is RankState.TRAINING
         self.takeable = False
         self.perform(self.machine.take_reserved(self.now))
         self.trained.append(batch)
@@ -218,7 +218,7 @@ class Run:
                 self.waiting = False
                 machine.leave_boundary(self.now)
                 if isinstance(step, HandOut):
-                    assert not machine.throttled and machine.state is RankState.TRAINING
+                    assert not machine.throttled and machine.life.state is RankState.TRAINING
                     if step.reserved:
                         self.takeable = False  # reclaimed from the staged slot
                     self.trained.append(step.batch)
@@ -227,9 +227,9 @@ class Run:
                     self.end = step
                 return
             if isinstance(step, Average):
-                weight = machine.round_weight(step.sync, machine.rank)
+                machine.round_weight(step.sync, machine.rank)
                 if step.background:
-                    machine.background_started(step.sync, weight)
+                    machine.background_started(step.sync)
                     self.in_flight = True
                 else:
                     self.perform(machine.average_finished(step.sync, FIGURES, 0.1))
@@ -357,7 +357,7 @@ def test_a_random_legal_run_trains_every_sample_once_and_reports_it(
     work: deque[Message] = deque()
     for epoch in range(job.epochs):
         work += data.draw(epoch_spans(epoch, job.dataset_size), label=f"epoch {epoch}")
-    machine = RankMachine(rank, 2, policy, 0.0)
+    machine = RankMachine(rank, 2, policy)
     machine.announce(job)
     run = Run(machine, job, work)
     length = data.draw(st.integers(0, MAX_ACTIONS), label="length")
@@ -400,9 +400,9 @@ def test_a_random_legal_run_trains_every_sample_once_and_reports_it(
     # The run ended for this rank: goodbye last, then a terminal state.
     assert [type(m) for m in run.received[-2:]] == [Note, Exiting]
     assert sum(isinstance(m, Exiting) for m in run.received) == 1
-    assert machine.done
+    assert machine.life.done
     if with_save:
-        assert machine.state is RankState.STOPPED
+        assert machine.life.state is RankState.STOPPED
         assert isinstance(run.end, Raise) and isinstance(run.end.error, ShutdownRequested)
     else:
-        assert machine.state is RankState.EXITED and run.end == Finish()
+        assert machine.life.state is RankState.EXITED and run.end == Finish()
