@@ -11,7 +11,9 @@ not allow is a typed error instead of a combination of flags nobody thought of::
 
 EXITED, STOPPED and LOST are terminal. Once a rank is ending it no longer needs the
 coordinator (it says goodbye and closes), so losing the connection then changes nothing:
-those moves are in :data:`IGNORED`, as is a second Shutdown.
+those moves are in :data:`IGNORED`, as is a second Shutdown. :class:`Lifecycle` holds one
+rank's state together with why its run ended (the error later calls raise, the exit reason
+for its report, the save reason).
 """
 
 from __future__ import annotations
