@@ -1,11 +1,12 @@
-"""How the run ends: completed, saved, or failed, and whether a stop must wait for a round.
+"""How the run ends: completed, saved or failed; whether it can go on; whether a stop waits.
 
 A run *completes* when every epoch is done or a stop without a save is asked for: everyone
 gets ``Shutdown``. A ``Shutdown`` sent while an averaging round is in flight would stop ranks
 in the middle of a collective, so it waits until the round settles (:attr:`Ending.pending`).
-A run that cannot go on (too many failures, a stalled average, no group could be formed) or a
-stop with a save is *saved*: ``ShutdownWithSave`` goes out at once to every rank still
-connected, whatever it is doing. A run whose world never formed *fails*. Pure: no clocks, no I/O.
+A run that cannot go on (too many failures or too few survivors, see
+:meth:`Ending.unrecoverable`; a stalled average; no group could be formed) or a stop with a
+save is *saved*: ``ShutdownWithSave`` goes out at once to every rank still connected, whatever
+it is doing. A run whose world never formed *fails*. Pure: no clocks, no I/O.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import enum
 
 import attrs
 
+from flodl.core.cycle import Cycle
 from flodl.core.effects import Broadcast
+from flodl.core.liveness import Liveness, MaxFailure, unrecoverable_reason
 from flodl.core.timeline import EventKind, Timeline
 from flodl.wire.messages import SaveReason, Shutdown, ShutdownWithSave
 
@@ -38,10 +41,26 @@ class Outcome:
 
 
 class Ending:
-    """The run's outcome, and a stop that waits for the round in flight (module docstring)."""
+    """The run's outcome, and a stop that waits for the round in flight (module docstring).
 
-    def __init__(self, timeline: Timeline) -> None:
+    ``cycle`` and ``liveness`` are read for the round in flight and the losses;
+    ``max_failure`` and ``collective`` are the run's settings.
+    """
+
+    def __init__(
+        self,
+        timeline: Timeline,
+        cycle: Cycle,
+        liveness: Liveness,
+        *,
+        max_failure: MaxFailure | None,
+        collective: bool,
+    ) -> None:
         self._timeline = timeline
+        self._cycle = cycle
+        self._liveness = liveness
+        self._max_failure = max_failure
+        self._collective = collective
         self.outcome = Outcome(Status.RUNNING)
         self.pending = False
         """A Shutdown waits for the round in flight to settle."""
@@ -51,15 +70,26 @@ class Ending:
         """The run has ended."""
         return self.outcome.status is not Status.RUNNING
 
+    def unrecoverable(self) -> SaveReason | None:
+        """Why the losses so far end the run (with a save), or None when it can go on."""
+        liveness = self._liveness
+        return unrecoverable_reason(
+            world_size=liveness.world_size,
+            alive=len(liveness.alive),
+            failures=liveness.failures,
+            max_failure=self._max_failure,
+            collective=self._collective,
+        )
+
     def save(self, reason: SaveReason, now: float, why: str) -> list[Broadcast]:
         """End the run with a save, at once."""
         self.outcome = Outcome(Status.SAVED, reason, why)
         self._timeline.add(now, EventKind.SAVE_REQUESTED, reason=reason.name, why=why)
         return [Broadcast(ShutdownWithSave(reason=reason))]
 
-    def shutdown(self, now: float, why: str, *, round_in_flight: bool) -> list[Broadcast]:
+    def shutdown(self, now: float, why: str) -> list[Broadcast]:
         """End the run without a save; while a round is in flight, only once it settles."""
-        if round_in_flight:
+        if not self._cycle.may_shutdown():
             self.pending = True
             return []
         self.outcome = Outcome(Status.COMPLETED, None, why)

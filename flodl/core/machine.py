@@ -3,12 +3,11 @@
 :class:`CoordinatorMachine` wires its parts into the behaviour of a floDl coordinator:
 :class:`~flodl.core.membership.Membership` (the job, the members, the joiners),
 :class:`~flodl.core.rendezvous.Rendezvous` (forming each generation of the group),
-:class:`~flodl.core.pacing.Pacing` (ElChe's counts and the guard's verdicts),
-:class:`~flodl.core.dispatch.Dispatch` (each window's work, the idle fill, epochs),
-:class:`~flodl.core.cycle.Cycle` (the averaging round), :class:`~flodl.core.liveness.Liveness`
-(dead ranks) and :class:`~flodl.core.ending.Ending` (how the run ends). The machine decides the
-order of things: which part hears of an event, when a round starts, what a loss or a new group
-does to each part. The trio shell (:mod:`flodl.coordinator`) feeds it events with the current
+:class:`~flodl.core.rounds.Rounds` (the averaging rounds, with ElChe's pacing and each window's
+work), :class:`~flodl.core.liveness.Liveness` (dead ranks) and
+:class:`~flodl.core.ending.Ending` (how the run ends). The machine decides the order of things:
+which part hears of an event, whether a round may start, what a loss or a new group does to
+each part. The trio shell (:mod:`flodl.coordinator`) feeds it events with the current
 time and performs the effects it returns; the machine never waits, sleeps or sends. That makes
 every rule testable with plain calls, and lets one process simulate thousands of ranks.
 
@@ -35,17 +34,13 @@ from typing import Any
 
 import attrs
 
-from flodl.core.cycle import Cycle, Policy
-from flodl.core.dispatch import Dispatch
 from flodl.core.effects import Broadcast, Send
 from flodl.core.elche import ElChe
 from flodl.core.ending import Ending, Outcome, Status
-from flodl.core.guards import Guard
-from flodl.core.job import Job
-from flodl.core.liveness import Liveness, LossCause, RankLost, unrecoverable_reason
+from flodl.core.liveness import Liveness, LossCause, RankLost
 from flodl.core.membership import Membership
-from flodl.core.pacing import Pacing
 from flodl.core.rendezvous import Rendezvous
+from flodl.core.rounds import Due, Rounds
 from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
 from flodl.wire.messages import (
@@ -67,7 +62,6 @@ from flodl.wire.messages import (
     ShutdownWithSave,
     SyncAck,
 )
-from flodl.wire.messages import Checkpoint as CheckpointRequest
 
 __all__ = [
     "CoordinatorMachine",
@@ -152,38 +146,33 @@ class CoordinatorMachine:
         self.timeline = Timeline()
         self._phase = RunPhase.JOINING
         self.stats = [RankStats() for _ in range(world_size)]
-        policy = settings.policy
         timeouts = settings.timeouts
-        cadence = settings.cadence
-        self._progressive = policy is not Policy.SYNC
-        # Sync runs windows of exactly one batch per rank through the count trigger, so the
-        # epoch's tail (where some ranks get no batch) is handled by the quiesced exemption.
-        self.cycle = Cycle(
-            world_size,
-            Policy.ASYNC if policy is Policy.ASYNC else Policy.CADENCE,
-            global_step=0 if resume is None else resume.global_step,
-            round=0 if resume is None else resume.sync_round,
-            reduce_stall_ceiling=timeouts.reduce_stall,
-            heartbeat_timeout=timeouts.heartbeat,
-            max_batch_diff=cadence.max_batch_diff,
-        )
         self.liveness = Liveness(world_size, heartbeat_timeout=timeouts.heartbeat, now=now)
         self.rendezvous = Rendezvous(
             world_size, local_ranks=local_ranks, retry_timeout=timeouts.rendezvous_retry
         )
         self.membership = Membership(world_size, join_deadline=now + join_timeout)
-        saved = None if resume is None else resume.elche_state
-        self.pacing = Pacing(settings, self.timeline, world_size, saved=saved)
-        fills = cadence.fill_idle_ranks and policy is Policy.CADENCE
-        # A throttled rank would not run an extra batch, so throttling turns the fill off.
-        self.dispatch = Dispatch(
-            world_size, self.timeline, fills=fills and cadence.max_batch_diff is None
+        resume = resume or ResumeState()
+        self.rounds = Rounds(
+            settings,
+            self.timeline,
+            self.membership,
+            self.liveness,
+            global_step=resume.global_step,
+            round=resume.sync_round,
+            saved=resume.elche_state,
         )
-        self.ending = Ending(self.timeline)
-        self._first_epoch = 0 if resume is None else resume.epoch
-        self._window_wait_until: float | None = None
-        self._checkpoint_requests: set[int] = set()
-        self._checkpoint_version = 0
+        self.cycle = self.rounds.cycle
+        self.pacing = self.rounds.pacing
+        self.dispatch = self.rounds.dispatch
+        self.ending = Ending(
+            self.timeline,
+            self.cycle,
+            self.liveness,
+            max_failure=settings.max_failure,
+            collective=settings.collective,
+        )
+        self._first_epoch = resume.epoch
 
     # --- queries --------------------------------------------------------------------------
 
@@ -200,20 +189,12 @@ class CoordinatorMachine:
         return self.ending.outcome
 
     @property
-    def job(self) -> Job | None:
-        return self.membership.job
-
-    @property
     def members(self) -> tuple[int, ...]:
         return self.membership.members
 
     @property
     def elche(self) -> ElChe:
         return self.pacing.elche
-
-    @property
-    def guard(self) -> Guard:
-        return self.pacing.guard
 
     @property
     def epoch_results(self) -> list[dict[str, Any]]:
@@ -227,9 +208,6 @@ class CoordinatorMachine:
         """ElChe's batch count per member (global rank -> batches per window)."""
         return self.pacing.counts(self.members)
 
-    def ms_per_batch(self) -> dict[int, float]:
-        return self.pacing.ms_per_batch()
-
     def next_deadline(self) -> float:
         """The latest time at which :meth:`on_tick` must run (``inf`` when nothing is due).
 
@@ -240,9 +218,8 @@ class CoordinatorMachine:
         best = math.inf
         for deadline in (
             self.liveness.next_deadline(),
-            self.cycle.next_deadline(),
+            self.rounds.next_deadline(),
             self.rendezvous.next_deadline(),
-            self._window_wait_until,
             self.membership.join_deadline,
         ):
             if deadline is not None and deadline < best:
@@ -251,17 +228,14 @@ class CoordinatorMachine:
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """The coordinator's part of a checkpoint (spec §6 CheckpointMeta, schema 3)."""
-        work = self.dispatch.work
         save_reason = self.outcome.save_reason
         return {
             "schema_version": 3,
-            "epoch": work.current_epoch if work is not None else 0,
-            "global_step": self.cycle.global_step,
-            "sync_round": self.cycle.round,
+            **self.rounds.position(),
             "world_size_at_save": len(self.members) or self.world_size,
             "save_reason": None if save_reason is None else save_reason.name,
             "elche_state": self.elche.state(),
-            "guard_state": self.guard.state(),
+            "guard_state": self.pacing.guard.state(),
         }
 
     # --- events: connections ----------------------------------------------------------------
@@ -278,10 +252,7 @@ class CoordinatorMachine:
     def on_disconnect(self, rank: int, now: float, reason: str = "") -> list[Effect]:
         """``rank``'s connection closed or broke: it is lost at once."""
         self.membership.forget(rank)
-        loss = self.liveness.on_disconnect(rank, now)
-        if loss is None:
-            return []
-        return self._handle_losses([loss], now, reason)
+        return self._lose(rank, now, reason)
 
     def on_exit_reported(self, rank: int, returncode: int, now: float) -> list[Effect]:
         """The launcher saw ``rank``'s process exit."""
@@ -291,10 +262,7 @@ class CoordinatorMachine:
             # The world cannot form without this rank: stop now instead of at the join timeout.
             why = f"rank {rank} exited with code {returncode} before joining"
             return list(self.ending.fail(now, why))
-        loss = self.liveness.on_disconnect(rank, now)
-        if loss is None:
-            return []
-        return self._handle_losses([loss], now, f"process exited with code {returncode}")
+        return self._lose(rank, now, f"process exited with code {returncode}")
 
     def request_stop(self, now: float, save: bool = True) -> list[Effect]:
         """End the run now: with a save (ShutdownWithSave(GRACEFUL)) or a plain Shutdown."""
@@ -331,7 +299,7 @@ class CoordinatorMachine:
             return []
         if isinstance(message, Intent):
             if message.kind is IntentKind.CHECKPOINT_NOW:
-                self._checkpoint_requests.add(rank)
+                self.rounds.request_checkpoint(rank)
             return []
         if isinstance(message, CheckpointResult | Note):
             return []
@@ -355,8 +323,9 @@ class CoordinatorMachine:
             why = "averaging round unacknowledged past the ceiling"
             return effects + self.ending.save(SaveReason.REDUCE_STALL, now, why)
         effects += self._regroup(self.rendezvous.poll(now, self._eligible()), now)
-        if self._window_wait_until is not None and now >= self._window_wait_until:
-            effects += self._start_round(now, delivered=False)
+        wait_until = self.rounds.wait_until
+        if wait_until is not None and now >= wait_until:
+            effects += self.rounds.start(now, self._generation(), delivered=False)
         return effects
 
     # --- joining and forming ----------------------------------------------------------------
@@ -399,14 +368,11 @@ class CoordinatorMachine:
         assert generation is not None
         if self.phase is RunPhase.FORMING:
             self.membership.adopt(members, welcome=False)
-            for rank in set(range(self.world_size)) - set(members):
-                self.cycle.drop_rank(now, rank)
-            self.pacing.form(members)
             self._phase = RunPhase.TRAINING
-            return self._begin_training(now)
-        for rank in self.pacing.carry_over(members):
-            self.cycle.add_rank(rank)
-            self.dispatch.readmit(rank)
+            job = self.membership.job
+            assert job is not None
+            return list(self.rounds.begin(job, self._first_epoch, now, generation))
+        self.rounds.carry_over(members)
         self.membership.adopt(members, welcome=True)
         self._phase = RunPhase.TRAINING
         self.timeline.add(
@@ -414,23 +380,12 @@ class CoordinatorMachine:
         )
         if self.cycle.settled:
             return self._maybe_trigger(now)
-        started = self.cycle.redo_round(now, generation)
-        self.timeline.add(now, EventKind.SYNC_START, round=started.round, redo=True)
-        return list(started.effects)
+        return list(self.rounds.redo(now, generation))
 
     # --- training ---------------------------------------------------------------------------
 
-    def _begin_training(self, now: float) -> list[Effect]:
-        """Open the run's work and start round 1 at once, before any batch: with no steps
-        anywhere it makes every rank start from the same parameters (the ranks give group
-        rank 0's copy all the mass in that round, as DDP broadcasts from rank 0)."""
-        assert self.job is not None
-        self.dispatch.open(self.job, self._first_epoch)
-        return self._start_round(now, delivered=False)
-
-    def _working(self, rank: int) -> bool:
-        """``rank`` is a live member of the group."""
-        return rank in self.membership.member_set and self.liveness.is_alive(rank)
+    def _generation(self) -> int:
+        return self.rendezvous.generation or 0
 
     def _on_batch(self, rank: int, batch: Batch, now: float) -> list[Effect]:
         stats = self.stats[rank]
@@ -438,39 +393,27 @@ class CoordinatorMachine:
         stats.last_loss = batch.batch_loss
         if rank not in self.membership.member_set or self.dispatch.work is None:
             return []
-        idle_now = self.dispatch.on_batch(rank, batch, now)
-        # A Batch never settles a round (only SyncAcks do), so there is nothing to settle here.
-        self.cycle.on_batch(now, batch)
-        effects: list[Effect] = list(self.cycle.throttle())
-        # The count trigger can only turn true when this rank reaches its planned count, runs
-        # out of work, or a rank was just throttled (throttled ranks are exempt); every other
-        # report leaves it false, so most reports skip the check.
-        if idle_now or effects or self.cycle.steps_of(rank) >= self.dispatch.plan[rank]:
+        seen = self.rounds.on_batch(rank, batch, now)
+        effects: list[Effect] = list(seen.effects)
+        if seen.may_be_due:
             round_before = self.cycle.round
             effects += self._maybe_trigger(now)
-            if idle_now and self.cycle.round == round_before:
+            if seen.out_of_work and self.cycle.round == round_before:
                 effects += self._fill(rank, now)
         return effects
 
     def _fill(self, rank: int, now: float) -> list[Effect]:
-        """Cadence: the batches ``rank``, out of work before the round triggered, gets now."""
-        if (
-            self.phase is not RunPhase.TRAINING
-            or self._window_wait_until is not None
-            or self.rendezvous.pending
-        ):
+        if self.phase is not RunPhase.TRAINING or self.rendezvous.pending:
             return []
-        return list(
-            self.dispatch.fill(rank, now, steps_of=self.cycle.steps_of, working=self._working)
-        )
+        return list(self.rounds.fill(rank, now))
 
     def _on_metrics(self, rank: int, metrics: Metrics, now: float) -> list[Effect]:
         if rank not in self.membership.member_set:
             return []
-        self.dispatch.on_completion(rank, metrics)
-        effects = self._close_epochs(now)
-        if self._window_wait_until is not None and not self.dispatch.awaits(self._working):
-            effects += self._start_round(now, delivered=True)
+        waited_enough = self.rounds.on_completion(rank, metrics)
+        effects: list[Effect] = list(self.rounds.close_epochs(now))
+        if waited_enough:
+            effects += self.rounds.start(now, self._generation(), delivered=True)
         else:
             effects += self._maybe_trigger(now)
         return effects
@@ -478,83 +421,32 @@ class CoordinatorMachine:
     def _on_ack(self, rank: int, ack: SyncAck, now: float) -> list[Effect]:
         if ack.round == self.cycle.round:
             self.stats[rank].syncs += 1
-            if ack.divergence is not None:
-                self.pacing.on_divergence(ack.divergence)
         effects: list[Effect] = []
-        if self.cycle.on_sync_ack(now, ack):
+        if self.rounds.on_ack(ack, now):
             effects += self._round_settled(now)
         effects += self._maybe_trigger(now)
         return effects
 
     def _maybe_trigger(self, now: float) -> list[Effect]:
-        work = self.dispatch.work
-        if (
-            self.phase is not RunPhase.TRAINING
-            or work is None
-            or self.rendezvous.pending
-            or self._window_wait_until is not None
-            or not self.cycle.settled
-        ):
+        if self.phase is not RunPhase.TRAINING or self.rendezvous.pending:
             return []
-        if not self.cycle.ready(self.dispatch.plan, work.quiesced(self.members)):
-            if self._all_work_done() and self.cycle.settled:
-                return self._close_epochs(now) + self._shutdown(now, "all epochs done")
+        due = self.rounds.due()
+        if due is Due.ALL_DONE:
+            return self.rounds.close_epochs(now) + self._shutdown(now, "all epochs done")
+        if due is not Due.NOW:
             return []
         joiners = self.membership.joiners & self.alive
         if joiners:
             # Grow the group first; the round then runs with the joiners in it (their mass is
             # zero, so they receive the survivors' average and contribute nothing to it).
-            self._phase = RunPhase.REFORMING
-            grown = tuple(sorted(set(self.members) | joiners))
-            return self._regroup(
-                self.rendezvous.begin(now, grown, ms_per_batch=self.ms_per_batch()), now
-            )
-        if self.settings.policy is Policy.CADENCE and self.dispatch.awaits(self._working):
-            self._window_wait_until = now + self.settings.timeouts.window_wait
-            return []
-        return self._start_round(now, delivered=self._progressive)
-
-    def _all_work_done(self) -> bool:
-        work = self.dispatch.work
-        return work is not None and work.done and not any(self.cycle.steps)
-
-    def _start_round(self, now: float, *, delivered: bool) -> list[Effect]:
-        self._window_wait_until = None
-        started = self.cycle.start_round(now, self.rendezvous.generation or 0)
-        effects: list[Effect] = list(started.effects)
-        self.timeline.add(now, EventKind.SYNC_START, round=started.round, steps=list(started.steps))
-        steps = started.steps
-        if self.pacing.feeds and any(steps):
-            reduce_ms = (self.cycle.last_sync_duration or 0.0) * 1000.0
-            windows = self.dispatch.reports(self.members, steps, delivered)
-            self.pacing.close_window(windows, steps, reduce_ms, delivered=delivered, now=now)
-        self.dispatch.new_window()
-        work = self.dispatch.work
-        assert work is not None
-        if work.exhausted:
-            return effects
-        counts = self.pacing.window_counts(self.members, work.epoch_batches)
-        return effects + self.dispatch.hand_out(counts, self.ms_per_batch(), now)
+            return self._reform(tuple(sorted(set(self.members) | joiners)), now)
+        return list(self.rounds.start_or_wait(now, self._generation()))
 
     def _round_settled(self, now: float) -> list[Effect]:
-        duration = self.cycle.last_sync_duration or 0.0
-        self.timeline.add(now, EventKind.SYNC_END, round=self.cycle.round, duration_s=duration)
-        effects: list[Effect] = []
-        for rank in sorted(self._checkpoint_requests & self.membership.member_set):
-            self._checkpoint_version += 1
-            effects.append(
-                Send(rank, CheckpointRequest(version=self._checkpoint_version, target_rank=rank))
-            )
-        self._checkpoint_requests.clear()
+        effects: list[Effect] = list(self.rounds.settled(now))
         if self.ending.pending:
             return effects + self._shutdown(now, "stop requested")
-        return effects + self._close_epochs(now)
-
-    def _close_epochs(self, now: float) -> list[Effect]:
-        """EpochAggregated for every epoch whose batches are all done (and reported)."""
-        if self.dispatch.awaits(self._working):
-            return []
-        return list(self.dispatch.close_epochs(self.members, now))
+        return effects + self.rounds.close_epochs(now)
 
     # --- losses -----------------------------------------------------------------------------
 
@@ -576,42 +468,37 @@ class CoordinatorMachine:
         lost = [loss.rank for loss in losses if loss.rank in self.membership.member_set]
         survivors = tuple(r for r in self.members if self.liveness.is_alive(r))
         if self.phase is RunPhase.FORMING:
-            if unrecoverable := self._unrecoverable():
+            if unrecoverable := self.ending.unrecoverable():
                 return list(self.ending.save(unrecoverable, now, why))
             return self._regroup(self.rendezvous.poll(now, self.alive), now)
         for rank in lost:
             effects.append(Broadcast(DeclareDead(rank=rank), survivors))
-            self.cycle.drop_rank(now, rank)
-            effects += self.dispatch.reassign(rank, survivors)
-        if unrecoverable := self._unrecoverable():
+            effects += self.rounds.drop(rank, survivors, now)
+        if unrecoverable := self.ending.unrecoverable():
             return effects + self.ending.save(unrecoverable, now, why)
         if not lost:
             return effects
-        if not self.settings.collective or (all_exited(losses) and self._all_work_done()):
+        if not self.settings.collective or (all_exited(losses) and self.rounds.all_work_done()):
             # Without a collective group there is nothing to re-form: the survivors go on.
             return effects + self._maybe_trigger(now)
-        self.cycle.abandon_round()
-        self._phase = RunPhase.REFORMING
-        self._window_wait_until = None
+        self.rounds.abandon()
         if self.rendezvous.pending:
-            retried = self.rendezvous.poll(now, self._eligible())
-            return effects + self._regroup(retried, now)
-        return effects + self._regroup(
-            self.rendezvous.begin(now, survivors, ms_per_batch=self.ms_per_batch()), now
-        )
+            self._phase = RunPhase.REFORMING
+            return effects + self._regroup(self.rendezvous.poll(now, self._eligible()), now)
+        return effects + self._reform(survivors, now)
 
-    def _unrecoverable(self) -> SaveReason | None:
-        return unrecoverable_reason(
-            world_size=self.world_size,
-            alive=len(self.alive),
-            failures=self.liveness.failures,
-            max_failure=self.settings.max_failure,
-            collective=self.settings.collective,
-        )
+    def _lose(self, rank: int, now: float, why: str) -> list[Effect]:
+        loss = self.liveness.on_disconnect(rank, now)
+        return [] if loss is None else self._handle_losses([loss], now, why)
+
+    def _reform(self, members: tuple[int, ...], now: float) -> list[Effect]:
+        """Form the next generation of the group with ``members``."""
+        self._phase = RunPhase.REFORMING
+        ms_per_batch = self.pacing.ms_per_batch()
+        return self._regroup(self.rendezvous.begin(now, members, ms_per_batch=ms_per_batch), now)
 
     def _shutdown(self, now: float, why: str) -> list[Effect]:
-        round_in_flight = not self.cycle.may_shutdown()
-        return list(self.ending.shutdown(now, why, round_in_flight=round_in_flight))
+        return list(self.ending.shutdown(now, why))
 
 
 def all_exited(losses: Sequence[RankLost]) -> bool:

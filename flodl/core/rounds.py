@@ -1,0 +1,270 @@
+"""The averaging rounds of training: when the next one starts, what starting and settling one does.
+
+A round is due once every member has run the batches it was planned (the count trigger,
+:meth:`~flodl.core.cycle.Cycle.ready`; a member with nothing left in flight is exempt). Under
+Cadence a due round still waits, at most ``window_wait``, for members that owe a completion
+frame or run an idle-fill batch, so that the window closes with their delivered time. Starting
+a round arms it in the :class:`~flodl.core.cycle.Cycle`, closes the window (ElChe learns its
+timings and the guard judges its divergences: :class:`~flodl.core.pacing.Pacing`) and hands
+out the next window's work (:class:`~flodl.core.dispatch.Dispatch`). A round settles once every
+member acknowledged it; the checkpoints ranks asked for are requested then. A round lost with
+a dead member is redone on the next generation of the group.
+
+:class:`Rounds` owns those three parts. Whether a round may start at all (the run is training
+and no group is forming) and what ends the run are the coordinator machine's to decide.
+Pure: no clocks, no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from flodl.core.cycle import Cycle, Policy
+from flodl.core.dispatch import Dispatch
+from flodl.core.effects import Effect, Send
+from flodl.core.job import Job
+from flodl.core.liveness import Liveness
+from flodl.core.membership import Membership
+from flodl.core.pacing import Pacing
+from flodl.core.settings import MachineSettings
+from flodl.core.timeline import EventKind, Timeline
+from flodl.wire.messages import Batch, Checkpoint, Metrics, SyncAck
+
+__all__ = ["BatchSeen", "Due", "Rounds"]
+
+
+class Due(enum.Enum):
+    """Whether the next round is due (:meth:`Rounds.due`)."""
+
+    NOT_YET = "not yet"
+    NOW = "now"
+    ALL_DONE = "all done"
+    """Every epoch's batches are done and no round is left to run."""
+
+
+@attrs.frozen
+class BatchSeen:
+    """What a member's ``Batch`` report did (:meth:`Rounds.on_batch`)."""
+
+    effects: list[Effect]
+    """Throttles for ranks now too far ahead."""
+    out_of_work: bool
+    """That was the last batch the member was handed."""
+    may_be_due: bool
+    """The next round may have become due."""
+
+
+class Rounds:
+    """The cycle, the pacing and the work of a training run (module docstring).
+
+    ``membership`` and ``liveness`` are read for the live members; ``global_step`` and
+    ``round`` are where a resumed run goes on from, ``saved`` its ElChe state.
+    """
+
+    def __init__(
+        self,
+        settings: MachineSettings,
+        timeline: Timeline,
+        membership: Membership,
+        liveness: Liveness,
+        *,
+        global_step: int = 0,
+        round: int = 0,
+        saved: Mapping[str, Any] | None = None,
+    ) -> None:
+        world_size = membership.world_size
+        policy = settings.policy
+        cadence = settings.cadence
+        # Sync runs windows of exactly one batch per rank through the count trigger, so the
+        # epoch's tail (where some ranks get no batch) is handled by the quiesced exemption.
+        self.cycle = Cycle(
+            world_size,
+            Policy.ASYNC if policy is Policy.ASYNC else Policy.CADENCE,
+            global_step=global_step,
+            round=round,
+            reduce_stall_ceiling=settings.timeouts.reduce_stall,
+            heartbeat_timeout=settings.timeouts.heartbeat,
+            max_batch_diff=cadence.max_batch_diff,
+        )
+        self.pacing = Pacing(settings, timeline, world_size, saved=saved)
+        fills = cadence.fill_idle_ranks and policy is Policy.CADENCE
+        # A throttled rank would not run an extra batch, so throttling turns the fill off.
+        self.dispatch = Dispatch(
+            world_size, timeline, fills=fills and cadence.max_batch_diff is None
+        )
+        self.wait_until: float | None = None
+        """Cadence: a due round waits for completion frames and idle-fill batches until then."""
+        self._membership = membership
+        self._liveness = liveness
+        self._timeline = timeline
+        self._progressive = policy is not Policy.SYNC
+        self._waits = policy is Policy.CADENCE
+        self._window_wait = settings.timeouts.window_wait
+        self._checkpoint_requests: set[int] = set()
+        self._checkpoint_version = 0
+
+    def position(self) -> dict[str, int]:
+        """Where training stands, for a checkpoint: the epoch, global step and round."""
+        work = self.dispatch.work
+        return {
+            "epoch": work.current_epoch if work is not None else 0,
+            "global_step": self.cycle.global_step,
+            "sync_round": self.cycle.round,
+        }
+
+    def working(self, rank: int) -> bool:
+        """``rank`` is a live member of the group."""
+        return rank in self._membership.member_set and self._liveness.is_alive(rank)
+
+    def next_deadline(self) -> float | None:
+        """When the round in flight stalls or a due round stops waiting (None: neither)."""
+        stall = self.cycle.next_deadline()
+        wait = self.wait_until
+        if stall is None or (wait is not None and wait < stall):
+            return wait
+        return stall
+
+    # --- groups -----------------------------------------------------------------------------
+
+    def begin(self, job: Job, first_epoch: int, now: float, generation: int) -> list[Effect]:
+        """The first group formed: training starts, and round 1 with it, before any batch.
+
+        With no steps anywhere that round makes every rank start from the same parameters
+        (the ranks give group rank 0's copy all the mass in it, as DDP broadcasts from rank 0).
+        """
+        members = self._membership.members
+        for rank in set(range(self._membership.world_size)) - set(members):
+            self.cycle.drop_rank(now, rank)
+        self.pacing.form(members)
+        self.dispatch.open(job, first_epoch)
+        return self.start(now, generation, delivered=False)
+
+    def carry_over(self, members: Sequence[int]) -> None:
+        """A later group of ``members`` formed: the ones new to the run join the rounds."""
+        for rank in self.pacing.carry_over(members):
+            self.cycle.add_rank(rank)
+            self.dispatch.readmit(rank)
+
+    def drop(self, rank: int, survivors: Sequence[int], now: float) -> list[Effect]:
+        """Member ``rank`` is dead: it leaves the round, its work goes to ``survivors``."""
+        self.cycle.drop_rank(now, rank)
+        return self.dispatch.reassign(rank, survivors)
+
+    def abandon(self) -> None:
+        """The group is lost: the round in flight is redone on the next one, none waits."""
+        self.cycle.abandon_round()
+        self.wait_until = None
+
+    # --- reports ----------------------------------------------------------------------------
+
+    def on_batch(self, rank: int, batch: Batch, now: float) -> BatchSeen:
+        """A member finished a batch."""
+        out_of_work = self.dispatch.on_batch(rank, batch, now)
+        # A Batch never settles a round (only SyncAcks do), so there is nothing to settle here.
+        self.cycle.on_batch(now, batch)
+        throttles = list(self.cycle.throttle())
+        # The count trigger can only turn true when this rank reaches its planned count, runs
+        # out of work, or a rank was just throttled (throttled ranks are exempt); every other
+        # report leaves it false, so most reports skip the check.
+        may_be_due = (
+            out_of_work or bool(throttles) or self.cycle.steps_of(rank) >= self.dispatch.plan[rank]
+        )
+        return BatchSeen(throttles, out_of_work, may_be_due)
+
+    def fill(self, rank: int, now: float) -> list[Effect]:
+        """Cadence: the batches ``rank``, out of work before the round triggered, gets now."""
+        if self.wait_until is not None:
+            return []
+        return self.dispatch.fill(rank, now, steps_of=self.cycle.steps_of, working=self.working)
+
+    def on_completion(self, rank: int, metrics: Metrics) -> bool:
+        """A member's completion frame; True when a waiting round now waits for no one."""
+        self.dispatch.on_completion(rank, metrics)
+        return self.wait_until is not None and not self.dispatch.awaits(self.working)
+
+    def close_epochs(self, now: float) -> list[Effect]:
+        """EpochAggregated for every epoch whose batches are all done (and reported)."""
+        if self.dispatch.awaits(self.working):
+            return []
+        return self.dispatch.close_epochs(self._membership.members, now)
+
+    # --- starting ---------------------------------------------------------------------------
+
+    def all_work_done(self) -> bool:
+        """Every batch of every epoch is done and none has run since the last round."""
+        work = self.dispatch.work
+        return work is not None and work.done and not any(self.cycle.steps)
+
+    def due(self) -> Due:
+        """Whether the next round is due (never while one is in flight or waiting)."""
+        work = self.dispatch.work
+        if work is None or self.wait_until is not None or not self.cycle.settled:
+            return Due.NOT_YET
+        if self.cycle.ready(self.dispatch.plan, work.quiesced(self._membership.members)):
+            return Due.NOW
+        return Due.ALL_DONE if self.all_work_done() else Due.NOT_YET
+
+    def start_or_wait(self, now: float, generation: int) -> list[Effect]:
+        """Start the due round, or (Cadence) wait for the live members it awaits."""
+        if self._waits and self.dispatch.awaits(self.working):
+            self.wait_until = now + self._window_wait
+            return []
+        return self.start(now, generation, delivered=self._progressive)
+
+    def start(self, now: float, generation: int, *, delivered: bool) -> list[Effect]:
+        """Start a round on ``generation``: close the window and hand out the next one.
+
+        ``delivered``: ElChe may time the window by the ranks' delivered wall time.
+        """
+        self.wait_until = None
+        started = self.cycle.start_round(now, generation)
+        effects: list[Effect] = list(started.effects)
+        steps = started.steps
+        self._timeline.add(now, EventKind.SYNC_START, round=started.round, steps=list(steps))
+        members = self._membership.members
+        dispatch = self.dispatch
+        if self.pacing.feeds and any(steps):
+            reduce_ms = (self.cycle.last_sync_duration or 0.0) * 1000.0
+            windows = dispatch.reports(members, steps, delivered)
+            self.pacing.close_window(windows, steps, reduce_ms, delivered=delivered, now=now)
+        dispatch.new_window()
+        work = dispatch.work
+        assert work is not None
+        if work.exhausted:
+            return effects
+        counts = self.pacing.window_counts(members, work.epoch_batches)
+        return effects + dispatch.hand_out(counts, self.pacing.ms_per_batch(), now)
+
+    def redo(self, now: float, generation: int) -> list[Effect]:
+        """Reissue the round a dead member interrupted, on the re-formed ``generation``."""
+        started = self.cycle.redo_round(now, generation)
+        self._timeline.add(now, EventKind.SYNC_START, round=started.round, redo=True)
+        return list(started.effects)
+
+    # --- settling ---------------------------------------------------------------------------
+
+    def request_checkpoint(self, rank: int) -> None:
+        """``rank`` asked to be saved: it is, at the next settled round."""
+        self._checkpoint_requests.add(rank)
+
+    def on_ack(self, ack: SyncAck, now: float) -> bool:
+        """A member acknowledged a round; True when that settled the round in flight."""
+        if ack.round == self.cycle.round and ack.divergence is not None:
+            self.pacing.on_divergence(ack.divergence)
+        return self.cycle.on_sync_ack(now, ack)
+
+    def settled(self, now: float) -> list[Effect]:
+        """The round in flight settled: the checkpoints members asked for are requested."""
+        duration = self.cycle.last_sync_duration or 0.0
+        self._timeline.add(now, EventKind.SYNC_END, round=self.cycle.round, duration_s=duration)
+        effects: list[Effect] = []
+        for rank in sorted(self._checkpoint_requests & self._membership.member_set):
+            self._checkpoint_version += 1
+            checkpoint = Checkpoint(version=self._checkpoint_version, target_rank=rank)
+            effects.append(Send(rank, checkpoint))
+        self._checkpoint_requests.clear()
+        return effects
