@@ -17,7 +17,8 @@ import attrs
 
 from flodl.core.cycle import Cycle
 from flodl.core.effects import Broadcast
-from flodl.core.liveness import Liveness, MaxFailure, unrecoverable_reason
+from flodl.core.liveness import Liveness, unrecoverable_reason
+from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
 from flodl.wire.messages import SaveReason, Shutdown, ShutdownWithSave
 
@@ -43,24 +44,16 @@ class Outcome:
 class Ending:
     """The run's outcome, and a stop that waits for the round in flight (module docstring).
 
-    ``cycle`` and ``liveness`` are read for the round in flight and the losses;
-    ``max_failure`` and ``collective`` are the run's settings.
+    ``cycle`` and ``liveness`` are read for the round in flight and the losses.
     """
 
     def __init__(
-        self,
-        timeline: Timeline,
-        cycle: Cycle,
-        liveness: Liveness,
-        *,
-        max_failure: MaxFailure | None,
-        collective: bool,
+        self, settings: MachineSettings, timeline: Timeline, cycle: Cycle, liveness: Liveness
     ) -> None:
+        self._settings = settings
         self._timeline = timeline
         self._cycle = cycle
         self._liveness = liveness
-        self._max_failure = max_failure
-        self._collective = collective
         self.outcome = Outcome(Status.RUNNING)
         self.pending = False
         """A Shutdown waits for the round in flight to settle."""
@@ -77,8 +70,8 @@ class Ending:
             world_size=liveness.world_size,
             alive=len(liveness.alive),
             failures=liveness.failures,
-            max_failure=self._max_failure,
-            collective=self._collective,
+            max_failure=self._settings.max_failure,
+            collective=self._settings.collective,
         )
 
     def save(self, reason: SaveReason, now: float, why: str) -> list[Broadcast]:

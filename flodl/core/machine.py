@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -40,7 +40,7 @@ from flodl.core.ending import Ending, Outcome, Status
 from flodl.core.liveness import Liveness, LossCause, RankLost
 from flodl.core.membership import Membership
 from flodl.core.rendezvous import Rendezvous
-from flodl.core.rounds import Due, Rounds
+from flodl.core.rounds import Due, ResumeState, Rounds
 from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
 from flodl.wire.messages import (
@@ -97,16 +97,6 @@ class RunPhase(enum.Enum):
     FINISHED = "finished"
 
 
-@attrs.frozen
-class ResumeState:
-    """Where a resumed run starts: from a checkpoint's meta (see flodl.checkpoint)."""
-
-    epoch: int = 0
-    global_step: int = 0
-    sync_round: int = 0
-    elche_state: Mapping[str, Any] | None = None
-
-
 @attrs.define
 class RankStats:
     """Per-rank counters kept for summaries."""
@@ -152,27 +142,12 @@ class CoordinatorMachine:
             world_size, local_ranks=local_ranks, retry_timeout=timeouts.rendezvous_retry
         )
         self.membership = Membership(world_size, join_deadline=now + join_timeout)
-        resume = resume or ResumeState()
         self.rounds = Rounds(
-            settings,
-            self.timeline,
-            self.membership,
-            self.liveness,
-            global_step=resume.global_step,
-            round=resume.sync_round,
-            saved=resume.elche_state,
+            settings, self.timeline, self.membership, self.liveness, resume or ResumeState()
         )
         self.cycle = self.rounds.cycle
         self.pacing = self.rounds.pacing
-        self.dispatch = self.rounds.dispatch
-        self.ending = Ending(
-            self.timeline,
-            self.cycle,
-            self.liveness,
-            max_failure=settings.max_failure,
-            collective=settings.collective,
-        )
-        self._first_epoch = resume.epoch
+        self.ending = Ending(settings, self.timeline, self.cycle, self.liveness)
 
     # --- queries --------------------------------------------------------------------------
 
@@ -198,7 +173,7 @@ class CoordinatorMachine:
 
     @property
     def epoch_results(self) -> list[dict[str, Any]]:
-        return self.dispatch.epoch_results
+        return self.rounds.dispatch.epoch_results
 
     @property
     def alive(self) -> frozenset[int]:
@@ -371,7 +346,7 @@ class CoordinatorMachine:
             self._phase = RunPhase.TRAINING
             job = self.membership.job
             assert job is not None
-            return list(self.rounds.begin(job, self._first_epoch, now, generation))
+            return list(self.rounds.begin(job, now, generation))
         self.rounds.carry_over(members)
         self.membership.adopt(members, welcome=True)
         self._phase = RunPhase.TRAINING
@@ -391,21 +366,16 @@ class CoordinatorMachine:
         stats = self.stats[rank]
         stats.batches += 1
         stats.last_loss = batch.batch_loss
-        if rank not in self.membership.member_set or self.dispatch.work is None:
+        if rank not in self.membership.member_set or self.rounds.dispatch.work is None:
             return []
         seen = self.rounds.on_batch(rank, batch, now)
         effects: list[Effect] = list(seen.effects)
         if seen.may_be_due:
             round_before = self.cycle.round
             effects += self._maybe_trigger(now)
-            if seen.out_of_work and self.cycle.round == round_before:
-                effects += self._fill(rank, now)
+            if seen.out_of_work and self.cycle.round == round_before and self._rounds_run():
+                effects += self.rounds.fill(rank, now)
         return effects
-
-    def _fill(self, rank: int, now: float) -> list[Effect]:
-        if self.phase is not RunPhase.TRAINING or self.rendezvous.pending:
-            return []
-        return list(self.rounds.fill(rank, now))
 
     def _on_metrics(self, rank: int, metrics: Metrics, now: float) -> list[Effect]:
         if rank not in self.membership.member_set:
@@ -427,8 +397,12 @@ class CoordinatorMachine:
         effects += self._maybe_trigger(now)
         return effects
 
+    def _rounds_run(self) -> bool:
+        """Rounds may start and work be handed out: training, and no group is forming."""
+        return self.phase is RunPhase.TRAINING and not self.rendezvous.pending
+
     def _maybe_trigger(self, now: float) -> list[Effect]:
-        if self.phase is not RunPhase.TRAINING or self.rendezvous.pending:
+        if not self._rounds_run():
             return []
         due = self.rounds.due()
         if due is Due.ALL_DONE:

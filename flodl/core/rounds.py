@@ -34,7 +34,17 @@ from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
 from flodl.wire.messages import Batch, Checkpoint, Metrics, SyncAck
 
-__all__ = ["BatchSeen", "Due", "Rounds"]
+__all__ = ["BatchSeen", "Due", "ResumeState", "Rounds"]
+
+
+@attrs.frozen
+class ResumeState:
+    """Where a resumed run starts: from a checkpoint's meta (see flodl.checkpoint)."""
+
+    epoch: int = 0
+    global_step: int = 0
+    sync_round: int = 0
+    elche_state: Mapping[str, Any] | None = None
 
 
 class Due(enum.Enum):
@@ -61,8 +71,8 @@ class BatchSeen:
 class Rounds:
     """The cycle, the pacing and the work of a training run (module docstring).
 
-    ``membership`` and ``liveness`` are read for the live members; ``global_step`` and
-    ``round`` are where a resumed run goes on from, ``saved`` its ElChe state.
+    ``membership`` and ``liveness`` are read for the live members; ``resume`` says where a
+    resumed run goes on from.
     """
 
     def __init__(
@@ -71,10 +81,7 @@ class Rounds:
         timeline: Timeline,
         membership: Membership,
         liveness: Liveness,
-        *,
-        global_step: int = 0,
-        round: int = 0,
-        saved: Mapping[str, Any] | None = None,
+        resume: ResumeState,
     ) -> None:
         world_size = membership.world_size
         policy = settings.policy
@@ -84,13 +91,13 @@ class Rounds:
         self.cycle = Cycle(
             world_size,
             Policy.ASYNC if policy is Policy.ASYNC else Policy.CADENCE,
-            global_step=global_step,
-            round=round,
+            global_step=resume.global_step,
+            round=resume.sync_round,
             reduce_stall_ceiling=settings.timeouts.reduce_stall,
             heartbeat_timeout=settings.timeouts.heartbeat,
             max_batch_diff=cadence.max_batch_diff,
         )
-        self.pacing = Pacing(settings, timeline, world_size, saved=saved)
+        self.pacing = Pacing(settings, timeline, world_size, saved=resume.elche_state)
         fills = cadence.fill_idle_ranks and policy is Policy.CADENCE
         # A throttled rank would not run an extra batch, so throttling turns the fill off.
         self.dispatch = Dispatch(
@@ -98,6 +105,7 @@ class Rounds:
         )
         self.wait_until: float | None = None
         """Cadence: a due round waits for completion frames and idle-fill batches until then."""
+        self._first_epoch = resume.epoch
         self._membership = membership
         self._liveness = liveness
         self._timeline = timeline
@@ -130,7 +138,7 @@ class Rounds:
 
     # --- groups -----------------------------------------------------------------------------
 
-    def begin(self, job: Job, first_epoch: int, now: float, generation: int) -> list[Effect]:
+    def begin(self, job: Job, now: float, generation: int) -> list[Effect]:
         """The first group formed: training starts, and round 1 with it, before any batch.
 
         With no steps anywhere that round makes every rank start from the same parameters
@@ -140,7 +148,7 @@ class Rounds:
         for rank in set(range(self._membership.world_size)) - set(members):
             self.cycle.drop_rank(now, rank)
         self.pacing.form(members)
-        self.dispatch.open(job, first_epoch)
+        self.dispatch.open(job, self._first_epoch)
         return self.start(now, generation, delivered=False)
 
     def carry_over(self, members: Sequence[int]) -> None:
