@@ -92,7 +92,7 @@ from flodl.config import CoordinatorConfig
 from flodl.coordinator import open_coordinator
 from flodl.core.job import Job
 from flodl.core.machine import CoordinatorMachine, Effect
-from flodl.core.rank import RankMachine
+from flodl.core.rank import MeasuredRound, RankMachine
 from flodl.core.rank_effects import (
     Average,
     Finish,
@@ -496,17 +496,9 @@ LOSS = 1.0
 """The loss every simulated batch reports."""
 
 
-@attrs.frozen
-class SimulatedFigures:
-    """What an instant, simulated average reports: nothing measured, so the SyncAck carries
-    no divergence or norms (split mode writes its send stamp into ``pre_norm``)."""
-
-    divergence: float = math.nan
-    post_norm: float = math.nan
-    pre_norm: float = math.nan
-
-
-NO_FIGURES = SimulatedFigures()
+NO_FIGURES = MeasuredRound()
+"""What an instant, simulated average reports: nothing measured, so the SyncAck carries no
+divergence or norms (split mode writes its send stamp into ``pre_norm``)."""
 
 
 class RankLoop:

@@ -28,7 +28,7 @@ from flodl.config import CoordinatorConfig
 from flodl.coordinator import Coordinator, open_coordinator
 from flodl.core.cycle import Policy
 from flodl.core.job import Job
-from flodl.core.rank import RankMachine
+from flodl.core.rank import MeasuredRound, RankMachine
 from flodl.core.rank_effects import (
     Average,
     CancelRound,
@@ -350,14 +350,7 @@ class ScriptedRank:
         return self.machine.average_finished(sync, _SIMULATED_ROUND, elapsed)
 
 
-@attrs.frozen
-class _RoundFigures:
-    divergence: float = 0.01
-    post_norm: float = 1.0
-    pre_norm: float = 1.0
-
-
-_SIMULATED_ROUND = _RoundFigures()
+_SIMULATED_ROUND = MeasuredRound(divergence=0.01, post_norm=1.0, pre_norm=1.0)
 """What every simulated average reports."""
 
 

@@ -88,7 +88,7 @@ from flodl.wire.messages import (
     Throttle,
 )
 
-__all__ = ["RankMachine", "RoundFigures"]
+__all__ = ["MeasuredRound", "RankMachine", "RoundFigures"]
 
 _NEEDS_JOB = (StartEpoch, ExtendPartition, SyncNow, Checkpoint, SaveConsensusModel)
 """Messages that only make sense once the job is announced."""
@@ -103,6 +103,16 @@ class RoundFigures(Protocol):
     def post_norm(self) -> float: ...
     @property
     def pre_norm(self) -> float: ...
+
+
+@attrs.frozen
+class MeasuredRound:
+    """Figures of an average for a shell with no backend result to hand (a simulation, a
+    test). NaN: not measured (the SyncAck then carries None)."""
+
+    divergence: float = math.nan
+    post_norm: float = math.nan
+    pre_norm: float = math.nan
 
 
 @attrs.define

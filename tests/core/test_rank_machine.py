@@ -16,7 +16,7 @@ import pytest
 
 from flodl.core.cycle import Policy
 from flodl.core.job import Job
-from flodl.core.rank import RankMachine
+from flodl.core.rank import MeasuredRound, RankMachine
 from flodl.core.rank_effects import (
     Average,
     Blend,
@@ -76,16 +76,7 @@ ENDS = (HandOut, Wait, Finish, Raise)
 """Boundary steps after which the loop stops asking (a batch, a wait, the end, an error)."""
 
 
-@attrs.frozen
-class Figures:
-    """What a finished average reports (stands in for the backend's result)."""
-
-    divergence: float = 0.25
-    post_norm: float = 2.0
-    pre_norm: float = 3.0
-
-
-FIGURES = Figures()
+FIGURES = MeasuredRound(divergence=0.25, post_norm=2.0, pre_norm=3.0)
 
 
 def new_machine(
@@ -164,7 +155,7 @@ def drive_boundary(
     machine: RankMachine,
     now: float,
     *,
-    figures: Figures | None = FIGURES,
+    figures: MeasuredRound | None = FIGURES,
     average_s: float = 0.0,
     group_rank: int = 0,
     save_outcome: str = "saved to /tmp/bundle",
@@ -204,7 +195,7 @@ def next_batch(
     machine: RankMachine,
     now: float,
     *,
-    figures: Figures | None = FIGURES,
+    figures: MeasuredRound | None = FIGURES,
     average_s: float = 0.0,
 ) -> Boundary:
     """enter_boundary -> drive_boundary -> leave_boundary, all at ``now``."""
@@ -412,7 +403,7 @@ def test_sync_now_averages_at_the_next_boundary_and_acks_with_its_round() -> Non
     effects = machine.boundary(4.0)
     assert effects == [Average(sync, background=False)]
     assert machine.round_weight(sync, group_rank=0) == 2
-    ack = machine.average_finished(sync, Figures(0.5, math.inf, 1.0), 1.5)
+    ack = machine.average_finished(sync, MeasuredRound(0.5, math.inf, 1.0), 1.5)
     assert ack == [
         Send(SyncAck(rank=1, round=3, step_count=3, divergence=0.5, post_norm=None, pre_norm=1.0))
     ]
