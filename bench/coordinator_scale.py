@@ -754,7 +754,9 @@ class LeanRank:
 
 def _next_grid_tick(now: float, phase: float, period: float) -> float:
     """The first time ``phase + k * period`` (k integer) strictly after ``now``."""
-    return phase + (math.floor((now - phase) / period) + 1) * period
+    tick = phase + (math.floor((now - phase) / period) + 1) * period
+    # ``now`` on a tick can divide to just under k: that tick is not after it, the next is.
+    return tick if tick > now else tick + period
 
 
 # --- rows ---------------------------------------------------------------------------------------
