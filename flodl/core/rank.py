@@ -152,7 +152,7 @@ class RankMachine:
         self._step: BoundaryStep | None = None
         """The step handed to the shell and not reported finished yet."""
 
-    # --- the lifecycle -----------------------------------------------------------------------
+    # --- what the shells read and the job ---------------------------------------------------
 
     @property
     def current(self) -> BatchSlice | None:
