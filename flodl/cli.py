@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import trio
 
-from flodl.config import CoordinatorConfig, Policy
+from flodl.backends import check_backend_on_host
+from flodl.config import CoordinatorConfig, Policy, check_at_least, check_script, check_seconds
 from flodl.environment import RankEnv, session_key_from_env
-from flodl.errors import FlodlError
+from flodl.errors import ConfigError, FlodlError
+from flodl.transports import parse_url
 
 
 def _add_coordinator_options(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +45,25 @@ def _add_coordinator_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def _check_coordinator_flags(args: argparse.Namespace) -> None:
+    """Refuse bad coordinator flags by the flag's name, before CoordinatorConfig would refuse
+    them by a setting's name (or one derived from it) the user never typed."""
+    check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
+    if args.stall_ceiling is not None:
+        check_seconds("--stall-ceiling", args.stall_ceiling)
+    check_at_least("--anchor", args.anchor, 1)
+    if args.max_batch_diff is not None:
+        check_at_least("--max-batch-diff", args.max_batch_diff, 0)
+    cap = args.window_cap_epochs
+    if not (cap > 0 and math.isfinite(cap)):
+        raise ConfigError(f"--window-cap-epochs must be a number > 0, got {cap!r}")
+    if args.relax_up and args.policy == Policy.SYNC.value:
+        raise ConfigError("--relax-up grows cadence windows; --policy sync has none")
+    check_at_least("--seed", args.seed, 0)
+
+
 def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
+    _check_coordinator_flags(args)
     return CoordinatorConfig(
         policy=Policy(args.policy),
         heartbeat_timeout=args.heartbeat_timeout,
@@ -100,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     from flodl.launcher import LaunchConfig, launch, print_summary, run_succeeded
 
+    # Every check here runs before any rank starts: a usage error is one message, exit 2.
     config = LaunchConfig(
         script=args.script,
         script_args=tuple(args.script_args),
@@ -112,17 +134,27 @@ def _run(args: argparse.Namespace) -> int:
         resume=args.resume,
         restarts=args.restarts,
     )
+    config.check_host()
     summary = trio.run(launch, config)
     print_summary(summary)
     print(f"  summary: {args.run_dir / 'summary.json'}")
     return 0 if run_succeeded(summary) else 1
 
 
+def _check_url(flag: str, url: str) -> None:
+    try:
+        parse_url(url)
+    except FlodlError as err:
+        raise ConfigError(f"{flag}: {err}") from None
+
+
 def _coordinator(args: argparse.Namespace) -> int:
     from flodl.coordinator import open_coordinator
 
-    key = session_key_from_env()
+    _check_url("--listen", args.listen)
+    check_at_least("--world-size", args.world_size, 1)
     config = _coordinator_config(args)
+    key = session_key_from_env()
 
     async def serve() -> str:
         async with open_coordinator(
@@ -137,6 +169,19 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from flodl.worker.config import WorkerConfig
+
+    # The checks a rank would make after importing torch, made here by the flags' names.
+    _check_url("--coordinator", args.coordinator)
+    check_at_least("--world-size", args.world_size, 1)
+    check_at_least("--rank", args.rank, 0)
+    if args.rank >= args.world_size:
+        raise ConfigError(f"--rank must be below --world-size ({args.world_size}), got {args.rank}")
+    check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
+    if not args.host.strip():
+        raise ConfigError("--host must not be empty")
+    check_script(args.script)
+    check_backend_on_host(args.backend, 1)
     session_key_from_env()  # fail early, here, if the key is missing
     rank_env = RankEnv(
         coordinator=args.coordinator,
@@ -147,10 +192,14 @@ def _worker(args: argparse.Namespace) -> int:
         backend=args.backend,
         policy=Policy(args.policy),
         heartbeat_timeout=args.heartbeat_timeout,
+        # As `flodl run` and `flodl coordinator` derive it: the rank beacons at the
+        # coordinator's pace, and a timeout under 1 s stays above the interval.
+        heartbeat_interval=min(1.0, args.heartbeat_timeout / 4),
         host=args.host,
         run_dir=args.run_dir.resolve(),
     )
     env = {**os.environ, **rank_env.variables()}
+    WorkerConfig.from_env(env)  # what the rank will read, refused here rather than after torch
     args.run_dir.mkdir(parents=True, exist_ok=True)
     os.execvpe(sys.executable, [sys.executable, args.script, *args.script_args], env)
 

@@ -5,10 +5,15 @@ Every setting has a default a user can run with; a value out of range raises
 turns a config into the :class:`~flodl.core.settings.MachineSettings` the coordinator machine
 takes (core defines them and never imports this module). :func:`session_key_from_env` reads
 the session key from the environment or a file, never from the command line.
+
+The ``check_*`` functions validate what a user typed on the command line; their errors name the
+flag, so ``flodl`` can refuse a bad value before any rank starts.
 """
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -23,6 +28,9 @@ from flodl.wire.handshake import check_session_key
 
 __all__ = [
     "CoordinatorConfig",
+    "check_at_least",
+    "check_script",
+    "check_seconds",
     "GuardKind",
     "MaxFailure",
     "Policy",
@@ -49,6 +57,30 @@ def _at_least_one(_inst: object, attribute: attrs.Attribute[Any], value: int) ->
 def _optional_non_negative_int(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
         raise ConfigError(f"{attribute.name} must be an integer >= 0 or None, got {value!r}")
+
+
+def check_at_least(flag: str, value: int, low: int) -> int:
+    """``value`` if it is an integer >= ``low``; ConfigError naming ``flag`` otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{flag} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def check_seconds(flag: str, value: float) -> float:
+    """``value`` if it is a finite number of seconds > 0; ConfigError naming ``flag``."""
+    if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{flag} must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def check_script(script: str | Path) -> Path:
+    """The training script's path if it names an existing file; ConfigError otherwise."""
+    path = Path(script)
+    if not path.exists():
+        raise ConfigError(f"script {str(script)!r} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"script {str(script)!r} is not a file")
+    return path
 
 
 @attrs.frozen

@@ -28,8 +28,9 @@ from typing import Any
 import attrs
 import trio
 
+from flodl.backends import BACKEND_NAMES, check_backend_on_host
 from flodl.checkpoint.resume import plan_resume, save_coordinator_meta
-from flodl.config import CoordinatorConfig
+from flodl.config import CoordinatorConfig, check_at_least, check_script
 from flodl.coordinator import Coordinator, open_coordinator
 from flodl.core.machine import Status
 from flodl.core.timeline import EventKind
@@ -62,12 +63,21 @@ class LaunchConfig:
     """How many times a rank whose process failed is started again (it rejoins the group)."""
 
     def __attrs_post_init__(self) -> None:
-        if self.nproc < 1:
-            raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
+        check_at_least("--nproc", self.nproc, 1)
         if self.transport not in ("tcp", "unix"):
             raise ConfigError(f"--transport must be tcp or unix, got {self.transport!r}")
-        if self.backend not in ("auto", "gloo", "nccl"):
+        if self.backend not in BACKEND_NAMES:
             raise ConfigError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
+        check_at_least("--restarts", self.restarts, 0)
+        check_at_least("--seed", self.seed, 0)
+        if not self.exit_grace >= 0:
+            raise ConfigError(f"exit_grace must be >= 0 seconds, got {self.exit_grace!r}")
+
+    def check_host(self) -> None:
+        """Refuse what this host cannot run: a script that is not a file, ``--backend nccl``
+        without a GPU per rank (imports torch for nccl only). ConfigError naming the flag."""
+        check_script(self.script)
+        check_backend_on_host(self.backend, self.nproc)
 
 
 @attrs.define
@@ -224,6 +234,7 @@ async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str,
     Guarantees: every rank process started here has exited (killed if need be) when this
     returns or raises, including on cancellation.
     """
+    config.check_host()
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     key = key or secrets.token_bytes(32)

@@ -41,6 +41,32 @@ def resolve_backend_name(name: str = "auto", local_world_size: int = 1) -> str:
     return choose_backend(name, nccl=usable, gpus=gpus, local_world_size=local_world_size)
 
 
+def check_backend_on_host(name: str, local_world_size: int) -> None:
+    """Refuse (ConfigError naming ``--backend``) a backend this host cannot run for
+    ``local_world_size`` ranks: nccl needs a torch build with NCCL and a CUDA GPU per rank.
+
+    Imports torch only for nccl: gloo runs anywhere, and auto falls back to gloo.
+    """
+    if name != "nccl":
+        choose_backend(name, nccl=False, gpus=0, local_world_size=local_world_size)
+        return
+    import torch
+    import torch.distributed
+
+    if not torch.distributed.is_nccl_available():
+        raise ConfigError(
+            f"--backend nccl: this torch build ({torch.__version__}) has no NCCL; "
+            "use --backend gloo or auto"
+        )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < local_world_size:
+        raise ConfigError(
+            f"--backend nccl needs a CUDA GPU for each of the {local_world_size} rank(s) on "
+            f"this host; torch sees {gpus}. Use --backend gloo, or auto (nccl only where "
+            "every rank gets a GPU)"
+        )
+
+
 def open_backend(
     name: str = "auto", *, local_rank: int = 0, local_world_size: int = 1, **options: Any
 ) -> Backend:
@@ -69,6 +95,7 @@ __all__ = [
     "AverageResult",
     "Backend",
     "PendingAverage",
+    "check_backend_on_host",
     "choose_backend",
     "open_backend",
     "resolve_backend_name",

@@ -69,4 +69,4 @@ def test_cli_rejects_bad_options_clearly(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 2
-    assert "--nproc must be >= 1" in result.stderr
+    assert "--nproc must be an integer >= 1, got 0" in result.stderr
