@@ -87,8 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=int, required=True)
     run.add_argument("--transport", choices=["tcp", "unix"], default="tcp")
     run.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    run.add_argument("--run-dir", type=Path, default=Path("runs/latest"))
-    run.add_argument("--resume", type=Path, default=None, metavar="PATH")
+    run.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="where the run writes (default: a new runs/<time>-<id>/, runs/latest points at it)",
+    )
+    run.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="continue from the newest checkpoint of this run folder (as --run-dir: go on there)",
+    )
+    run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="--run-dir holds an earlier run: remove its files (flodl's own only) first",
+    )
     run.add_argument(
         "--restarts",
         type=int,
@@ -112,14 +128,21 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--policy", choices=[p.value for p in Policy], default="cadence")
     worker.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S")
     worker.add_argument("--host", default="127.0.0.1", help="this host's address for peers")
-    worker.add_argument("--run-dir", type=Path, default=Path("runs/latest"))
+    worker.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path("runs/worker"),
+        help="where this rank writes (default: runs/worker; the ranks of a host may share it)",
+    )
     worker.add_argument("script")
     worker.add_argument("script_args", nargs=argparse.REMAINDER)
     return parser
 
 
 def _run(args: argparse.Namespace) -> int:
+    from flodl.checkpoint.resume import plan_resume
     from flodl.launcher import LaunchConfig, launch, print_summary, run_succeeded
+    from flodl.rundir import fresh_run_dir, point_latest
 
     # Every check here runs before any rank starts: a usage error is one message, exit 2.
     config = LaunchConfig(
@@ -128,16 +151,21 @@ def _run(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         transport=args.transport,
         backend=args.backend,
-        run_dir=args.run_dir,
+        run_dir=args.run_dir or fresh_run_dir(),
         seed=args.seed,
         coordinator=_coordinator_config(args),
         resume=args.resume,
         restarts=args.restarts,
+        overwrite=args.overwrite,
     )
     config.check_host()
+    if args.resume is not None:
+        plan_resume(args.resume)
+    if args.run_dir is None:
+        point_latest(config.run_dir)
     summary = trio.run(launch, config)
     print_summary(summary)
-    print(f"  summary: {args.run_dir / 'summary.json'}")
+    print(f"  summary: {config.run_dir / 'summary.json'}")
     return 0 if run_succeeded(summary) else 1
 
 

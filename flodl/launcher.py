@@ -29,13 +29,14 @@ import attrs
 import trio
 
 from flodl.backends import BACKEND_NAMES, check_backend_on_host
-from flodl.checkpoint.resume import plan_resume, save_coordinator_meta
+from flodl.checkpoint.resume import ResumePlan, plan_resume, save_coordinator_meta
 from flodl.config import CoordinatorConfig, check_at_least, check_script
 from flodl.coordinator import Coordinator, open_coordinator
 from flodl.core.machine import Status
 from flodl.core.timeline import EventKind
 from flodl.environment import SESSION_KEY, RankEnv
 from flodl.errors import ConfigError
+from flodl.rundir import check_overwrite_and_resume, claim_run_dir, fresh_run_dir
 
 KEY_FILE_NAME = "session.key"
 SUMMARY_NAME = "summary.json"
@@ -50,7 +51,9 @@ class LaunchConfig:
     nproc: int = 2
     transport: str = "tcp"
     backend: str = "auto"
-    run_dir: Path = Path("runs/latest")
+    run_dir: Path = attrs.field(factory=fresh_run_dir)
+    """Where the run writes; by default a new folder under ``runs/``. A folder that holds an
+    earlier run is refused unless ``resume`` names it or ``overwrite`` is set."""
     seed: int = 0
     coordinator: CoordinatorConfig = attrs.field(factory=CoordinatorConfig)
     python: str = sys.executable
@@ -61,6 +64,8 @@ class LaunchConfig:
     """Relay the ranks' output to this process's stdout."""
     restarts: int = 0
     """How many times a rank whose process failed is started again (it rejoins the group)."""
+    overwrite: bool = False
+    """Remove the files of the run ``run_dir`` holds (flodl's own only) before starting."""
 
     def __attrs_post_init__(self) -> None:
         check_at_least("--nproc", self.nproc, 1)
@@ -72,6 +77,7 @@ class LaunchConfig:
         check_at_least("--seed", self.seed, 0)
         if not self.exit_grace >= 0:
             raise ConfigError(f"exit_grace must be >= 0 seconds, got {self.exit_grace!r}")
+        check_overwrite_and_resume(self.run_dir, self.resume, self.overwrite)
 
     def check_host(self) -> None:
         """Refuse what this host cannot run: a script that is not a file, ``--backend nccl``
@@ -232,18 +238,28 @@ async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str,
     """Run the job to its end and return the summary (also written to run-dir/summary.json).
 
     Guarantees: every rank process started here has exited (killed if need be) when this
-    returns or raises, including on cancellation.
+    returns or raises, including on cancellation. Raises ConfigError, before any rank starts,
+    for what this host cannot run and for a run dir that is in use or holds an earlier run
+    (see :func:`flodl.rundir.claim_run_dir`).
     """
     config.check_host()
+    plan = None if config.resume is None else plan_resume(config.resume)
+    with claim_run_dir(config.run_dir, resume=config.resume, overwrite=config.overwrite):
+        if config.echo:
+            print(f"flodl: run folder {config.run_dir}", flush=True)
+        return await _launch(config, key, plan)
+
+
+async def _launch(
+    config: LaunchConfig, key: bytes | None, plan: ResumePlan | None
+) -> dict[str, Any]:
     run_dir = config.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
     key = key or secrets.token_bytes(32)
     key_file = write_session_key(run_dir, key)
     if config.transport == "unix":
         url = f"unix://{(run_dir / 'coordinator.sock').resolve()}"
     else:
         url = "tcp://127.0.0.1:0"
-    plan = None if config.resume is None else plan_resume(config.resume)
     started_unix = time.time()
     spawned: list[RankProcess] = []
     async with open_coordinator(
@@ -300,6 +316,7 @@ async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str,
                         item.exited_unix = time.time()
         summary = build_summary(config, coordinator, spawned, (clock_unix, trio_start))
         summary["wall_s"] = time.time() - started_unix
+        summary["run_dir"] = str(run_dir)
         save_coordinator_meta(run_dir, coordinator.machine.checkpoint_meta())
         if plan is not None:
             summary["resumed_from"] = str(plan.bundle)
@@ -323,7 +340,9 @@ def build_summary(
     ranks = []
     final_metrics: dict[str, Any] = {}
     for item in spawned:
-        report = _read_json(config.run_dir / f"rank{item.rank}.json")
+        # A report older than this rank's first start is an earlier run's (a run resumed in
+        # its own folder); the second of slack covers file times lagging the clock.
+        report = _read_json(config.run_dir / f"rank{item.rank}.json", since=item.started_unix - 1)
         stats = machine.stats[item.rank]
         ranks.append(
             {
@@ -396,8 +415,11 @@ def build_summary(
     }
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, since: float) -> dict[str, Any]:
+    """The JSON object in ``path`` if it was written at or after unix time ``since``, else {}."""
     try:
+        if path.stat().st_mtime < since:
+            return {}
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from flodl.launcher import LaunchConfig, launch
@@ -70,3 +71,99 @@ def test_cli_rejects_bad_options_clearly(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "--nproc must be an integer >= 1, got 0" in result.stderr
+
+
+# --- one folder per run ---------------------------------------------------------------------------
+
+
+def flodl_run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flodl.cli", "run", "--nproc", "1", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_each_run_writes_a_new_folder_and_runs_latest_points_at_it(tmp_path: Path) -> None:
+    (tmp_path / "crash.py").write_text(CRASH_AT_START)
+    first = flodl_run(tmp_path, "crash.py")
+    second = flodl_run(tmp_path, "crash.py")
+    assert (first.returncode, second.returncode) == (1, 1), first.stderr + second.stderr
+    runs = tmp_path / "runs"
+    folders = sorted(p for p in runs.iterdir() if not p.is_symlink())
+    assert len(folders) == 2
+    latest = runs / "latest"
+    assert latest.is_symlink() and (runs / os.readlink(latest)) in folders
+    newest = json.loads((latest / "summary.json").read_text())
+    assert f"flodl: run folder {Path('runs') / newest['run_dir'].split('/')[-1]}" in second.stdout
+    assert f"summary: {newest['run_dir']}/summary.json" in second.stdout
+    for folder in folders:  # neither run wrote into the other's folder
+        assert (folder / "rank0.log").read_text() == "starting\n"
+        assert json.loads((folder / "summary.json").read_text())["run_dir"] == str(
+            folder.relative_to(tmp_path)
+        )
+
+
+def test_a_run_dir_holding_a_run_is_refused_and_overwrite_starts_clean(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    # An earlier run's files, old enough to tell from this run's.
+    (run_dir / "rank0.json").write_text('{"batches": 999, "final_metrics": {"acc": 0.99}}')
+    (run_dir / "rank0.log").write_text("earlier run\n")
+    (run_dir / "notes.txt").write_text("mine")
+    (tmp_path / "crash.py").write_text(CRASH_AT_START)
+    refused = flodl_run(tmp_path, "--run-dir", "run", "crash.py")
+    assert refused.returncode == 2
+    assert "flodl: error: run dir run already holds a run (rank0.json, rank0.log)" in refused.stderr
+    assert "--resume run" in refused.stderr and "--overwrite" in refused.stderr
+    assert "[rank" not in refused.stdout
+    assert (run_dir / "rank0.log").read_text() == "earlier run\n"
+
+    again = flodl_run(tmp_path, "--run-dir", "run", "--overwrite", "crash.py")
+    assert again.returncode == 1, again.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ranks"][0]["batches"] != 999 and summary["final_metrics"] == {}
+    assert not (run_dir / "rank0.json").exists()  # the rank wrote none this time
+    assert (run_dir / "rank0.log").read_text() == "starting\n"
+    assert (run_dir / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_second_launcher_is_kept_out_of_a_folder_in_use(tmp_path: Path) -> None:
+    started, release = tmp_path / "started", tmp_path / "release"
+    waiter = tmp_path / "wait.py"
+    waiter.write_text(
+        "import os, time\n"
+        f"open({str(started)!r}, 'w').close()\n"
+        f"while not os.path.exists({str(release)!r}):\n"
+        "    time.sleep(0.02)\n"
+    )
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "flodl.cli", "run", "--nproc", "1", "--run-dir", str(run_dir)]
+    first = subprocess.Popen(
+        [*argv, str(waiter)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not started.exists():
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        second = subprocess.run(
+            [*argv, "--overwrite", str(waiter)], capture_output=True, text=True, timeout=60
+        )
+        assert second.returncode == 2
+        assert (
+            f"flodl: error: run dir {run_dir} is in use by another flodl run (pid {first.pid})"
+            in second.stderr
+        )
+        assert (run_dir / "session.key").exists()  # the first run's files are untouched
+        release.touch()
+        first.communicate(timeout=60)
+    finally:
+        release.touch()
+        if first.poll() is None:
+            first.kill()
+        first.wait()
+    assert json.loads((run_dir / "summary.json").read_text())["ranks"][0]["exit_code"] == 0
