@@ -21,7 +21,7 @@ import attrs
 from flodl.core.cycle import Policy, default_reduce_stall_ceiling
 from flodl.core.guards import GuardKind
 from flodl.core.liveness import MaxFailure
-from flodl.core.settings import CadenceSettings, MachineSettings, Timeouts
+from flodl.core.settings import CadenceSettings, CheckpointSettings, MachineSettings, Timeouts
 from flodl.environment import session_key_from_env
 from flodl.errors import ConfigError
 from flodl.wire.handshake import check_session_key
@@ -52,6 +52,11 @@ def _optional_positive(_inst: object, attribute: attrs.Attribute[Any], value: An
 def _at_least_one(_inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{attribute.name} must be an integer >= 1, got {value!r}")
+
+
+def _optional_at_least_one(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"{attribute.name} must be an integer >= 1 or None, got {value!r}")
 
 
 def _optional_non_negative_int(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -116,6 +121,12 @@ class CoordinatorConfig:
     max_failure: MaxFailure | None = None
     collective: bool = True
     """True for gloo/nccl groups: fewer than 2 survivors cannot average (SingleSurvivor)."""
+    checkpoint_every: int | None = attrs.field(default=None, validator=_optional_at_least_one)
+    """The lowest live rank saves a bundle every this many averaging rounds (None: never)."""
+    checkpoint_every_epochs: int | None = attrs.field(
+        default=None, validator=_optional_at_least_one
+    )
+    """The lowest live rank saves a bundle once this many more epochs are done (None: never)."""
 
     def __attrs_post_init__(self) -> None:
         if self.max_anchor < self.anchor:
@@ -158,6 +169,9 @@ class CoordinatorConfig:
                 reduce_stall=self.stall_ceiling,
                 rendezvous_retry=self.rendezvous_retry,
                 window_wait=self.window_wait_ceiling,
+            ),
+            checkpoints=CheckpointSettings(
+                every_rounds=self.checkpoint_every, every_epochs=self.checkpoint_every_epochs
             ),
             guard=self.guard,
             trend_threshold=self.trend_threshold,

@@ -15,8 +15,8 @@ Lifecycle (:class:`RunPhase`): JOINING (every rank connects and sends
 :class:`~flodl.wire.messages.Ready`) -> FORMING (generation 0 of the group: RequestNewGroup /
 NewGroupReady / NewGroupSession) -> TRAINING (windows of ElChe counts; a round averages them)
 <-> REFORMING (after a death the survivors form the next generation, then redo the interrupted
-round) -> FINISHED (all epochs done and Shutdown sent, or a ShutdownWithSave because the run
-cannot go on).
+round) -> FINISHED (all epochs done, the final checkpoint saved and Shutdown sent, or a
+ShutdownWithSave because the run cannot go on).
 
 Work protocol (what ranks must do, see also :mod:`flodl.core.partitions`): a rank works through
 the sample ranges it is given (StartEpoch, ExtendPartition) in order, one ``Batch`` report per
@@ -276,7 +276,9 @@ class CoordinatorMachine:
             if message.kind is IntentKind.CHECKPOINT_NOW:
                 self.rounds.request_checkpoint(rank)
             return []
-        if isinstance(message, CheckpointResult | Note):
+        if isinstance(message, CheckpointResult):
+            return self._maybe_trigger(now) if self.rounds.on_checkpoint_result(message) else []
+        if isinstance(message, Note):
             return []
         return [Disconnect(rank, f"unexpected {type(message).__name__} from a rank")]
 
@@ -301,6 +303,9 @@ class CoordinatorMachine:
         wait_until = self.rounds.wait_until
         if wait_until is not None and now >= wait_until:
             effects += self.rounds.start(now, self._generation(), delivered=False)
+        final_until = self.rounds.saves.final_until
+        if final_until is not None and now >= final_until:
+            effects += self._maybe_trigger(now)
         return effects
 
     # --- joining and forming ----------------------------------------------------------------
@@ -406,7 +411,12 @@ class CoordinatorMachine:
             return []
         due = self.rounds.due()
         if due is Due.ALL_DONE:
-            return self.rounds.close_epochs(now) + self._shutdown(now, "all epochs done")
+            # The trained model is saved before the ranks are let go.
+            effects: list[Effect] = list(self.rounds.close_epochs(now))
+            saving = self.rounds.final_saves(now)
+            if saving is not None:
+                return effects + saving
+            return effects + self._shutdown(now, "all epochs done")
         if due is not Due.NOW:
             return []
         joiners = self.membership.joiners & self.alive

@@ -25,14 +25,15 @@ import attrs
 
 from flodl.core.cycle import Cycle, Policy
 from flodl.core.dispatch import Dispatch
-from flodl.core.effects import Effect, Send
+from flodl.core.effects import Effect
 from flodl.core.job import Job
 from flodl.core.liveness import Liveness
 from flodl.core.membership import Membership
 from flodl.core.pacing import Pacing
+from flodl.core.saves import SaveSchedule
 from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
-from flodl.wire.messages import Batch, Checkpoint, Metrics, SyncAck
+from flodl.wire.messages import Batch, CheckpointResult, Metrics, SyncAck
 
 __all__ = ["BatchSeen", "Due", "ResumeState", "Rounds"]
 
@@ -112,8 +113,14 @@ class Rounds:
         self._progressive = policy is not Policy.SYNC
         self._waits = policy is Policy.CADENCE
         self._window_wait = settings.timeouts.window_wait
-        self._checkpoint_requests: set[int] = set()
-        self._checkpoint_version = 0
+        saves = settings.checkpoints
+        self.saves = SaveSchedule(
+            every_rounds=saves.every_rounds,
+            every_epochs=saves.every_epochs,
+            deadline=settings.timeouts.reduce_stall,
+            first_epoch=resume.epoch,
+            first_step=resume.global_step,
+        )
 
     def position(self) -> dict[str, int]:
         """Where training stands, for a checkpoint: the epoch, global step and round."""
@@ -129,12 +136,10 @@ class Rounds:
         return rank in self._membership.member_set and self._liveness.is_alive(rank)
 
     def next_deadline(self) -> float | None:
-        """When the round in flight stalls or a due round stops waiting (None: neither)."""
-        stall = self.cycle.next_deadline()
-        wait = self.wait_until
-        if stall is None or (wait is not None and wait < stall):
-            return wait
-        return stall
+        """When the round in flight stalls, a due round stops waiting or the final save is
+        given up on (None: none of them)."""
+        deadlines = (self.cycle.next_deadline(), self.wait_until, self.saves.final_until)
+        return min((d for d in deadlines if d is not None), default=None)
 
     # --- groups -----------------------------------------------------------------------------
 
@@ -257,7 +262,18 @@ class Rounds:
 
     def request_checkpoint(self, rank: int) -> None:
         """``rank`` asked to be saved: it is, at the next settled round."""
-        self._checkpoint_requests.add(rank)
+        self.saves.ask(rank)
+
+    def final_saves(self, now: float) -> list[Effect] | None:
+        """Every epoch is done: the final save's requests, [] while they are awaited, None
+        once the run may shut down (see :meth:`SaveSchedule.final`)."""
+        live = [rank for rank in self._membership.members if self._liveness.is_alive(rank)]
+        saves = self.saves.final(live, now)
+        return None if saves is None else list(saves)
+
+    def on_checkpoint_result(self, result: CheckpointResult) -> bool:
+        """A rank answered a Checkpoint; True when the final save may now be complete."""
+        return self.saves.on_result(result)
 
     def on_ack(self, ack: SyncAck, now: float) -> bool:
         """A member acknowledged a round; True when that settled the round in flight."""
@@ -266,13 +282,15 @@ class Rounds:
         return self.cycle.on_sync_ack(now, ack)
 
     def settled(self, now: float) -> list[Effect]:
-        """The round in flight settled: the checkpoints members asked for are requested."""
+        """The round in flight settled: the checkpoints asked for and scheduled are requested."""
         duration = self.cycle.last_sync_duration or 0.0
         self._timeline.add(now, EventKind.SYNC_END, round=self.cycle.round, duration_s=duration)
-        effects: list[Effect] = []
-        for rank in sorted(self._checkpoint_requests & self._membership.member_set):
-            self._checkpoint_version += 1
-            checkpoint = Checkpoint(version=self._checkpoint_version, target_rank=rank)
-            effects.append(Send(rank, checkpoint))
-        self._checkpoint_requests.clear()
-        return effects
+        live = [rank for rank in self._membership.members if self._liveness.is_alive(rank)]
+        position = self.position()
+        saves = self.saves.settled(
+            live,
+            epoch=position["epoch"],
+            global_step=position["global_step"],
+            last=self.all_work_done(),
+        )
+        return list(saves)

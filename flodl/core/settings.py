@@ -20,7 +20,7 @@ from flodl.core.cycle import Policy
 from flodl.core.guards import GuardKind
 from flodl.core.liveness import MaxFailure
 
-__all__ = ["CadenceSettings", "MachineSettings", "Timeouts"]
+__all__ = ["CadenceSettings", "CheckpointSettings", "MachineSettings", "Timeouts"]
 
 
 @attrs.frozen(kw_only=True)
@@ -58,12 +58,23 @@ class Timeouts:
 
 
 @attrs.frozen(kw_only=True)
+class CheckpointSettings:
+    """When ranks save during the run (see :mod:`flodl.core.saves`); None: never on a schedule."""
+
+    every_rounds: int | None
+    """The lowest live member saves every this many settled averaging rounds."""
+    every_epochs: int | None
+    """The lowest live member saves once this many more epochs are done."""
+
+
+@attrs.frozen(kw_only=True)
 class MachineSettings:
     """Everything :class:`~flodl.core.machine.CoordinatorMachine` reads besides its events."""
 
     policy: Policy
     cadence: CadenceSettings
     timeouts: Timeouts
+    checkpoints: CheckpointSettings
     guard: GuardKind
     trend_threshold: float
     """TrendGuard's threshold (read by the trend guard only)."""
