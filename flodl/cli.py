@@ -142,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     from flodl.checkpoint.resume import plan_resume
     from flodl.launcher import LaunchConfig, launch, print_summary, run_succeeded
+    from flodl.launcher_signals import silence_stdout
     from flodl.rundir import fresh_run_dir, point_latest
 
     # Every check here runs before any rank starts: a usage error is one message, exit 2.
@@ -164,8 +165,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.run_dir is None:
         point_latest(config.run_dir)
     summary = trio.run(launch, config)
-    print_summary(summary)
-    print(f"  summary: {config.run_dir / 'summary.json'}")
+    try:
+        print_summary(summary)
+        print(f"  summary: {config.run_dir / 'summary.json'}", flush=True)
+    except BrokenPipeError:  # `| tee` died of the same Ctrl-C; summary.json is written
+        silence_stdout()
     return 0 if run_succeeded(summary) else 1
 
 

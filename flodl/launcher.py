@@ -4,7 +4,9 @@
 environment a rank needs (torchrun-style RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
 MASTER_PORT plus flodl's own ``FLODL_*``), relays their output with a ``[rank N]`` prefix, feeds
 each process exit into the coordinator's death detection, turns the first Ctrl-C (SIGINT or
-SIGTERM) into a graceful save-and-shutdown and the second into a kill, and finally writes
+SIGTERM) into a graceful save-and-shutdown and the second into a kill
+(:mod:`flodl.launcher_signals`: ranks run in sessions of their own, out of reach of a terminal's
+Ctrl-C), checks on disk what was saved (:mod:`flodl.launcher_saves`), and finally writes
 ``run-dir/summary.json``. Every process it started is gone when it returns, whatever happened.
 
 The session key is generated here and handed to the ranks in a 0600 file named by
@@ -17,7 +19,6 @@ import json
 import math
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +37,8 @@ from flodl.core.machine import Status
 from flodl.core.timeline import EventKind
 from flodl.environment import SESSION_KEY, RankEnv
 from flodl.errors import ConfigError
+from flodl.launcher_saves import account_saves
+from flodl.launcher_signals import StopSignals, kill_rank_groups, say, watch_signals
 from flodl.rundir import check_overwrite_and_resume, claim_run_dir, fresh_run_dir
 
 KEY_FILE_NAME = "session.key"
@@ -158,9 +161,9 @@ async def _relay_output(rank: int, stream: trio.abc.ReceiveStream, echo: bool, l
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                print(f"[rank {rank}] {line.decode(errors='replace')}", flush=True)
+                echo = echo and say(f"[rank {rank}] {line.decode(errors='replace')}")
         if echo and pending:
-            print(f"[rank {rank}] {pending.decode(errors='replace')}", flush=True)
+            say(f"[rank {rank}] {pending.decode(errors='replace')}")
 
 
 async def _supervise(
@@ -193,25 +196,6 @@ async def _supervise(
         spawned.exit_code = None
 
 
-async def _watch_signals(coordinator: Coordinator, spawned: Sequence[RankProcess]) -> None:
-    """First SIGINT/SIGTERM: save and stop gracefully. Second: kill every rank."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        count = 0
-        async for signum in signals:
-            count += 1
-            if count == 1:
-                print(
-                    f"flodl: {signal.Signals(signum).name}: saving and stopping "
-                    "(again to kill the ranks)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                coordinator.request_stop(save=True)
-            else:
-                _kill_all(spawned)
-                return
-
-
 def _kill_declared_dead(coordinator: Coordinator, spawned: Sequence[RankProcess]) -> None:
     """Kill the processes of ranks the coordinator declared dead and did not rejoin.
 
@@ -228,12 +212,6 @@ def _kill_declared_dead(coordinator: Coordinator, spawned: Sequence[RankProcess]
             item.process.kill()
 
 
-def _kill_all(spawned: Sequence[RankProcess]) -> None:
-    for item in spawned:
-        if item.process.returncode is None:
-            item.process.kill()
-
-
 async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str, Any]:
     """Run the job to its end and return the summary (also written to run-dir/summary.json).
 
@@ -246,7 +224,7 @@ async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str,
     plan = None if config.resume is None else plan_resume(config.resume)
     with claim_run_dir(config.run_dir, resume=config.resume, overwrite=config.overwrite):
         if config.echo:
-            print(f"flodl: run folder {config.run_dir}", flush=True)
+            say(f"flodl: run folder {config.run_dir}")
         return await _launch(config, key, plan)
 
 
@@ -262,6 +240,7 @@ async def _launch(
         url = "tcp://127.0.0.1:0"
     started_unix = time.time()
     spawned: list[RankProcess] = []
+    stops = StopSignals()
     async with open_coordinator(
         url,
         config.nproc,
@@ -292,29 +271,31 @@ async def _launch(
                         stdin=subprocess.DEVNULL,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT,
+                        # Out of the terminal's process group: Ctrl-C is the launcher's to handle.
+                        start_new_session=True,
                     )
 
+                await nursery.start(watch_signals, coordinator, spawned, stops)
                 for rank in range(config.nproc):
                     item = RankProcess(rank, await start_rank(rank), time.time())
                     spawned.append(item)
                     nursery.start_soon(_supervise, item, coordinator, config, start_rank)
-                nursery.start_soon(_watch_signals, coordinator, spawned)
                 await coordinator.wait_finished()
                 _kill_declared_dead(coordinator, spawned)
                 with trio.move_on_after(config.exit_grace):
                     for item in spawned:
                         await item.process.wait()
-                _kill_all(spawned)
+                kill_rank_groups(spawned)
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
-                _kill_all(spawned)
+                kill_rank_groups(spawned, exited_too=True)
                 for item in spawned:
                     await item.process.wait()
                     if item.exit_code is None:
                         item.exit_code = item.process.returncode
                         item.exited_unix = time.time()
-        summary = build_summary(config, coordinator, spawned, (clock_unix, trio_start))
+        summary = build_summary(config, coordinator, spawned, (clock_unix, trio_start), stops)
         summary["wall_s"] = time.time() - started_unix
         summary["run_dir"] = str(run_dir)
         save_coordinator_meta(run_dir, coordinator.machine.checkpoint_meta())
@@ -329,10 +310,13 @@ def build_summary(
     coordinator: Coordinator,
     spawned: Sequence[RankProcess],
     clocks: tuple[float, float],
+    stops: StopSignals | None = None,
 ) -> dict[str, Any]:
     """What happened, per rank and per death, in one JSON-able dict."""
     machine = coordinator.machine
     clock_unix, trio_start = clocks
+    stops = stops or StopSignals()
+    saves = account_saves(machine, spawned, config.run_dir, stops)
 
     def unix(t: float) -> float:
         return clock_unix + (t - trio_start)
@@ -360,6 +344,7 @@ def build_summary(
                 "idle_share": _share(report.get("idle_s"), _training_s(report)),
                 "averaging_share": _share(report.get("averaging_s"), _training_s(report)),
                 "exit_reason": report.get("exit_reason"),
+                "bundle": saves.bundles.get(item.rank),
                 "final_metrics": report.get("final_metrics", {}),
             }
         )
@@ -394,9 +379,11 @@ def build_summary(
         )
     outcome = machine.outcome
     return {
-        "status": outcome.status.value,
+        "status": saves.status,
         "save_reason": None if outcome.save_reason is None else outcome.save_reason.name,
-        "message": outcome.message,
+        "message": saves.message,
+        "saved": saves.to_json(),
+        "signals": list(stops.received),
         "policy": config.coordinator.policy.value,
         "nproc": config.nproc,
         "started_unix": clock_unix,
@@ -468,9 +455,16 @@ def print_summary(summary: dict[str, Any], stream: Any = None) -> None:
         print(f"  rank {death['rank']} lost ({death['cause']}), recovered in {shown}", file=out)
     for name, value in summary.get("final_metrics", {}).items():
         print(f"  {name}: {value}", file=out)
+    for rank in summary["ranks"]:
+        if rank.get("bundle"):
+            print(f"  rank {rank['rank']} saved {rank['bundle']}", file=out)
+    for missing in (summary.get("saved") or {}).get("missing", []):
+        print(f"  rank {missing['rank']} NOT saved: {missing['why']}", file=out)
 
 
 def run_succeeded(summary: dict[str, Any]) -> bool:
-    return summary["status"] == Status.COMPLETED.value and all(
+    """Completed, or stopped on request with every bundle verified; every rank exited 0."""
+    stopped = summary["status"] == Status.SAVED.value and summary.get("save_reason") == "GRACEFUL"
+    return (summary["status"] == Status.COMPLETED.value or stopped) and all(
         r["exit_code"] == 0 for r in summary["ranks"]
     )

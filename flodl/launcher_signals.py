@@ -1,0 +1,110 @@
+"""How ``flodl run`` stops on a signal, and the teardown that leaves no process behind.
+
+Signals belong to the launcher. Each rank is started in a session of its own
+(``start_new_session``), so the SIGINT a terminal sends to its whole foreground process group on
+Ctrl-C reaches the launcher only, never a rank. The launcher turns the first SIGINT or SIGTERM
+into ``ShutdownWithSave(GRACEFUL)`` (every live rank writes its bundle at its next batch boundary
+and exits), and any later one into SIGKILL of every rank's process group. A rank whose launcher
+is gone (even SIGKILLed) sees its coordinator's connection close and gives up on its own, so a
+rank in its own session never outlives its launcher for long; the launcher's own teardown kills
+each rank's whole process group (a rank's children included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TextIO
+
+import attrs
+import trio
+
+if TYPE_CHECKING:
+    from flodl.coordinator import Coordinator
+    from flodl.launcher import RankProcess
+
+__all__ = ["StopSignals", "kill_rank_groups", "say", "silence_stdout", "watch_signals"]
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@attrs.define
+class StopSignals:
+    """The stop signals the launcher received, in order, and whether it killed the ranks."""
+
+    received: list[str] = attrs.field(factory=list)
+    killed: bool = False
+    """A second signal killed every rank still running."""
+
+
+def silence_stdout() -> None:
+    """Send the rest of stdout nowhere: its reader is gone (``| tee`` dies of the same Ctrl-C).
+
+    The run must still save and write its summary; only the echo is lost.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+def say(text: str, stream: TextIO | None = None) -> bool:
+    """Print one line and flush; False (and stdout silenced) when its reader has gone."""
+    out = stream if stream is not None else sys.stdout
+    try:
+        print(text, file=out, flush=True)
+    except BrokenPipeError:
+        if out is sys.stdout:
+            silence_stdout()
+        return False
+    return True
+
+
+def kill_rank_groups(spawned: Sequence[RankProcess], *, exited_too: bool = False) -> None:
+    """SIGKILL each rank's process group (the rank leads its own session).
+
+    ``exited_too``: also the groups of ranks that already exited, for children they left. A
+    group id stays reserved while any member lives, so it never names another user's process.
+    """
+    for item in spawned:
+        process = item.process
+        if process.returncode is not None and not exited_too:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+
+
+async def watch_signals(
+    coordinator: Coordinator,
+    spawned: Sequence[RankProcess],
+    stops: StopSignals,
+    *,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """First SIGINT/SIGTERM: every rank saves and stops. Any later one: kill every rank.
+
+    Reports ``started`` once the handlers are in place: start it before the first rank.
+    """
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        task_status.started()
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            stops.received.append(name)
+            if len(stops.received) == 1:
+                if coordinator.machine.finished:
+                    text = f"flodl: {name}: the run has ended; waiting for the ranks to exit"
+                else:
+                    text = f"flodl: {name}: every rank saves its bundle, then stops"
+                    coordinator.request_stop(save=True)
+                say(f"{text} (again to kill them)", sys.stderr)
+            else:
+                stops.killed = True
+                say(f"flodl: {name}: killing the ranks", sys.stderr)
+                kill_rank_groups(spawned)
