@@ -24,6 +24,7 @@
                              (default: ``max(30, 2 x heartbeat timeout)``)
 ``FLODL_RESUME``             a checkpoint bundle to resume from (optional)
 ``FLODL_DEBUG_PARAM_HASHES`` ``1``: record a sha256 of the parameters after every average
+``FLODL_KEEP_CHECKPOINTS``   bundles this rank keeps in its checkpoint folder (2)
 ============================ =============================================================
 
 Reading strips white space and treats an empty variable as unset. Every malformed value
@@ -53,6 +54,7 @@ __all__ = [
     "HEARTBEAT_INTERVAL",
     "HEARTBEAT_TIMEOUT",
     "HOST",
+    "KEEP_CHECKPOINTS",
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
     "MASTER_ADDR",
@@ -89,6 +91,7 @@ HOST = "FLODL_HOST"
 OP_TIMEOUT = "FLODL_OP_TIMEOUT"
 RESUME = "FLODL_RESUME"
 DEBUG_PARAM_HASHES = "FLODL_DEBUG_PARAM_HASHES"
+KEEP_CHECKPOINTS = "FLODL_KEEP_CHECKPOINTS"
 
 _LAUNCHER_HINT = "start the script with `flodl run`, which sets it"
 
@@ -118,6 +121,7 @@ class RankEnv:
     op_timeout: float | None = None
     resume: Path | None = None
     debug_param_hashes: bool = False
+    keep_checkpoints: int | None = None
 
     def variables(self) -> dict[str, str]:
         """The variables to set for this rank: one per field that is set."""
@@ -140,6 +144,7 @@ class RankEnv:
             OP_TIMEOUT: self.op_timeout,
             RESUME: self.resume,
             DEBUG_PARAM_HASHES: "1" if self.debug_param_hashes else None,
+            KEEP_CHECKPOINTS: self.keep_checkpoints,
         }
         return {name: str(value) for name, value in values.items() if value is not None}
 
@@ -167,6 +172,7 @@ class RankEnv:
             op_timeout=_seconds(env, OP_TIMEOUT),
             resume=_path(env, RESUME),
             debug_param_hashes=_flag(env, DEBUG_PARAM_HASHES),
+            keep_checkpoints=_int(env, KEEP_CHECKPOINTS),
         )
 
 

@@ -73,6 +73,8 @@ from flodl.wire.messages import (
     Exiting,
     ExtendPartition,
     Heartbeat,
+    Intent,
+    IntentKind,
     Message,
     NewGroupSession,
     Note,
@@ -214,6 +216,15 @@ class RankMachine:
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(rank=self.rank, step_count=self.step_count)
+
+    def request_checkpoint(self) -> list[RankEffect]:
+        """The script asks for a bundle of this rank: ``Intent(CHECKPOINT_NOW)``; the
+        coordinator asks for it after the next settled round. Nothing once the run is ending
+        (a bundle is saved then anyway, or the run is over); CoordinatorError once lost."""
+        self.life.raise_if_lost()
+        if self.life.ending or self.life.done:
+            return []
+        return [Send(Intent(rank=self.rank, kind=IntentKind.CHECKPOINT_NOW))]
 
     # --- messages ----------------------------------------------------------------------------
 

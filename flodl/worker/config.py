@@ -42,6 +42,8 @@ class WorkerConfig:
     """None: ``max(30, 2 x heartbeat_timeout)`` (see :attr:`collective_timeout`)."""
     resume: Path | None = None
     debug_param_hashes: bool = False
+    keep_checkpoints: int = 2
+    """Bundles this rank keeps under ``<run_dir>/checkpoints/rank<N>/`` (older ones are pruned)."""
 
     def __attrs_post_init__(self) -> None:
         if self.world_size < 1:
@@ -63,6 +65,8 @@ class WorkerConfig:
             raise ConfigError(f"op_timeout must be > 0, got {self.op_timeout}")
         if self.seed < 0:
             raise ConfigError(f"{names.SEED} must be >= 0, got {self.seed}")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"{names.KEEP_CHECKPOINTS} must be >= 1, got {self.keep_checkpoints}")
 
     @property
     def collective_timeout(self) -> float:
@@ -91,6 +95,7 @@ class WorkerConfig:
                 ("run_dir", given.run_dir),
                 ("seed", given.seed),
                 ("host", given.host),
+                ("keep_checkpoints", given.keep_checkpoints),
             )
             if value is not None
         }

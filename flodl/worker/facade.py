@@ -222,6 +222,12 @@ class Rank:
         except trio.RunFinishedError:
             raise CoordinatorError("the rank's trio thread has stopped") from None
 
+    def request_checkpoint(self) -> None:
+        """Ask for a bundle of this rank: the coordinator has it saved after the next settled
+        averaging round (``Intent(CHECKPOINT_NOW)``). Returns once the request is sent;
+        CoordinatorError once the coordinator is lost."""
+        self._call(self.worker.request_checkpoint)
+
     def report_final(self, **metrics: float) -> None:
         """Record final metrics (e.g. ``test_accuracy=0.97``) for the run summary."""
         worker = self.worker

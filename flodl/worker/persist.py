@@ -7,6 +7,7 @@ stem that sorts by global step. Synchronous: call it from a worker thread.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,8 @@ from flodl.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -43,9 +46,12 @@ def save_rank_bundle(
     point: SavePoint,
     *,
     stem: str | None = None,
+    keep: int | None = None,
 ) -> Path:
     """Save model + optimizer state + meta; return the bundle's path (``<dir>/<stem>``).
 
+    With ``keep``, the bundles older than the ``keep`` newest are removed once this one is
+    complete (:func:`flodl.checkpoint.prune.prune_bundles`; a removal that fails is logged).
     Raises CheckpointError if the bundle cannot be written.
     """
     try:
@@ -68,14 +74,23 @@ def save_rank_bundle(
     optimizer_state: dict[str, Any] | None = (
         None if optimizer is None else dict(optimizer.state_dict())
     )
-    return save_bundle(
-        checkpoint_dir(run_dir, rank),
+    directory = checkpoint_dir(run_dir, rank)
+    path = save_bundle(
+        directory,
         stem or f"flodl-step{point.global_step:09d}",
         model_state=dict(model.state_dict()),
         optimizer_state=optimizer_state,
         meta=meta,
         config={"rank": rank, "world_size": point.world_size},
     )
+    if keep is not None:
+        from flodl.checkpoint.prune import prune_bundles
+
+        try:
+            prune_bundles(directory, keep)
+        except OSError as err:
+            log.warning("rank %d: could not remove old bundles in %s: %s", rank, directory, err)
+    return path
 
 
 def resume_source(path: Path, rank: int) -> Path:

@@ -102,7 +102,9 @@ class Worker:
         self._nursery: trio.Nursery | None = None
         self._orders: EpochOrders | None = None
         self._outbox = Outbox(self._lost)
-        self._saver = BundleSaver(self.machine, config.run_dir, model, optimizer)
+        self._saver = BundleSaver(
+            self.machine, config.run_dir, model, optimizer, config.keep_checkpoints
+        )
         self._staged: StagedBatch[Assignment] = StagedBatch()
         """The batch after the current one, takeable by a training thread (see staging.py)."""
         self._wakeup = Wakeup(self._staged.invalidate)
@@ -237,6 +239,11 @@ class Worker:
             return
         self._post(effects)
 
+    async def request_checkpoint(self) -> None:
+        """Ask for a bundle of this rank after the next settled round (``Intent``)."""
+        self._perform(self.machine.request_checkpoint())
+        await self._outbox.flush()
+
     def report_final(self, **metrics: float) -> None:
         """Record final metrics (e.g. ``test_accuracy=0.97``) for ``rank<N>.json``."""
         self.final_metrics.update({k: float(v) for k, v in metrics.items()})
@@ -361,6 +368,7 @@ class Worker:
             "wall_s": self.wall_s,
             "final_metrics": dict(self.final_metrics),
             "checkpoint": self.checkpoint_path,
+            "checkpoint_ms": list(self._saver.checkpoint_ms),
         }
         if self.config.debug_param_hashes:
             data["param_hashes"] = list(self._rounds.param_hashes)

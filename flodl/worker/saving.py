@@ -28,13 +28,17 @@ class BundleSaver:
         run_dir: Path,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
+        keep: int | None = None,
     ) -> None:
         self._machine = machine
+        self._keep = keep
         self._run_dir = run_dir
         self._model = model
         self._optimizer = optimizer
         self.latest: str | None = None
         """The path of the newest bundle written (for the report and the death record)."""
+        self.checkpoint_ms: list[float] = []
+        """How long each Checkpoint's save held this rank, in milliseconds."""
 
     async def save(self, reason: str | None, stem: str | None = None) -> Path:
         """Save a bundle at the machine's current point; CheckpointError if it cannot."""
@@ -48,7 +52,13 @@ class BundleSaver:
         )
         path = await trio.to_thread.run_sync(
             lambda: save_rank_bundle(
-                self._run_dir, machine.rank, self._model, self._optimizer, point, stem=stem
+                self._run_dir,
+                machine.rank,
+                self._model,
+                self._optimizer,
+                point,
+                stem=stem,
+                keep=self._keep,
             )
         )
         self.latest = str(path)
@@ -59,10 +69,12 @@ class BundleSaver:
         started = trio.current_time()
         error: str | None = None
         try:
-            await self.save(None, stem=f"flodl-v{request.version:06d}")
+            stem = f"flodl-step{self._machine.global_step:09d}-v{request.version:06d}"
+            await self.save("CHECKPOINT", stem=stem)
         except CheckpointError as err:
             error = str(err)
         elapsed_ms = (trio.current_time() - started) * 1000.0
+        self.checkpoint_ms.append(elapsed_ms)
         return self._machine.checkpoint_finished(request, elapsed_ms, error)
 
     async def save_and_stop(self, reason: str) -> list[RankEffect]:

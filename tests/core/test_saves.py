@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from flodl.core.cycle import Policy
 from flodl.core.effects import Send
+from flodl.core.job import Job
+from flodl.core.rank import RankMachine
+from flodl.core.rank_effects import Send as RankSend
 from flodl.core.saves import SaveSchedule
-from flodl.wire.messages import Checkpoint, CheckpointResult
+from flodl.wire.messages import Checkpoint, CheckpointResult, Intent, IntentKind, Shutdown
 
 
 def schedule(
@@ -103,3 +107,13 @@ def test_the_final_save_does_not_wait_for_a_rank_that_is_gone_nor_past_its_deadl
     stuck.final([0, 1], now=0.0)
     assert stuck.final([0, 1], now=29.9) == []
     assert stuck.final([0, 1], now=30.0) is None
+
+
+def test_a_rank_asks_for_its_checkpoint_with_an_intent_until_the_run_ends() -> None:
+    machine = RankMachine(1, 2, Policy.CADENCE)
+    machine.announce(Job(48, 4, 2))
+    assert machine.request_checkpoint() == [
+        RankSend(Intent(rank=1, kind=IntentKind.CHECKPOINT_NOW))
+    ]
+    machine.receive(Shutdown())
+    assert machine.request_checkpoint() == []

@@ -303,7 +303,7 @@ async def test_a_rank_that_saved_leaves_its_death_record_beside_its_bundle(
     from flodl.checkpoint import load_bundle
 
     bundle = load_bundle(tmp_path / "checkpoints" / "rank0")
-    assert bundle.path.name == "flodl-v000007"
+    assert bundle.path.name == "flodl-step000000000-v000007"
     assert [d.rank for d in bundle.deaths] == [0]  # found by loading the bundle
     assert "lost the connection" in bundle.deaths[0].error
     assert not (tmp_path / "flodl.rank0.death.json").exists()
