@@ -43,6 +43,20 @@ def _add_coordinator_options(parser: argparse.ArgumentParser) -> None:
         help="a window holds at most this many epochs' batches (default 1, as floDl)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rank 0 (the lowest live rank) saves a bundle every N averaging rounds",
+    )
+    parser.add_argument(
+        "--checkpoint-every-epochs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rank 0 (the lowest live rank) saves a bundle every N epochs",
+    )
 
 
 def _check_coordinator_flags(args: argparse.Namespace) -> None:
@@ -60,6 +74,12 @@ def _check_coordinator_flags(args: argparse.Namespace) -> None:
     if args.relax_up and args.policy == Policy.SYNC.value:
         raise ConfigError("--relax-up grows cadence windows; --policy sync has none")
     check_at_least("--seed", args.seed, 0)
+    for flag, value in (
+        ("--checkpoint-every", args.checkpoint_every),
+        ("--checkpoint-every-epochs", args.checkpoint_every_epochs),
+    ):
+        if value is not None:
+            check_at_least(flag, value, 1)
 
 
 def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
@@ -74,6 +94,8 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         max_batch_diff=args.max_batch_diff,
         relax_up=args.relax_up,
         window_cap_epochs=args.window_cap_epochs,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_every_epochs=args.checkpoint_every_epochs,
     )
 
 
@@ -110,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="start a failed rank again up to this many times; it rejoins the running group",
+    )
+    run.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=2,
+        metavar="K",
+        help="each rank keeps its K newest bundles and removes older ones (default 2)",
     )
     _add_coordinator_options(run)
     run.add_argument("script")
@@ -158,6 +187,7 @@ def _run(args: argparse.Namespace) -> int:
         resume=args.resume,
         restarts=args.restarts,
         overwrite=args.overwrite,
+        keep_checkpoints=args.keep_checkpoints,
     )
     config.check_host()
     if args.resume is not None:

@@ -69,9 +69,12 @@ class LaunchConfig:
     """How many times a rank whose process failed is started again (it rejoins the group)."""
     overwrite: bool = False
     """Remove the files of the run ``run_dir`` holds (flodl's own only) before starting."""
+    keep_checkpoints: int = 2
+    """Bundles each rank keeps in its checkpoint folder (it removes older ones after a save)."""
 
     def __attrs_post_init__(self) -> None:
         check_at_least("--nproc", self.nproc, 1)
+        check_at_least("--keep-checkpoints", self.keep_checkpoints, 1)
         if self.transport not in ("tcp", "unix"):
             raise ConfigError(f"--transport must be tcp or unix, got {self.transport!r}")
         if self.backend not in BACKEND_NAMES:
@@ -143,6 +146,7 @@ def rank_environment(
         seed=config.seed,
         host="127.0.0.1",
         resume=None if resume is None else resume.resolve(),
+        keep_checkpoints=config.keep_checkpoints,
     )
     env.update(rank_env.variables())
     env["PYTHONUNBUFFERED"] = "1"
