@@ -1,0 +1,224 @@
+"""Signals belong to the launcher: Ctrl-C (to the whole process group, as a terminal sends it),
+SIGINT or SIGTERM to the launcher alone, all save every rank's bundle and exit 0; a second
+Ctrl-C kills the ranks and the summary names what was not saved. No process is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.worker.procs import DIGITS
+
+pytestmark = pytest.mark.slow
+
+# Rank 1 stops in the middle of a batch (its training thread asleep, its heartbeats going on),
+# so a save-and-stop waits on it until it is killed.
+STUCK_RANK = """\
+import sys, time
+import torch
+import flodl.worker
+from flodl.errors import ShutdownRequested
+
+torch.set_num_threads(1)
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+with flodl.worker.join(model, optimizer) as rank:
+    try:
+        for i, batch in enumerate(rank.batches(dataset_size=4096, batch_size=8, epochs=50)):
+            if rank.rank == 1 and i == 200:
+                print("stuck", flush=True)
+                time.sleep(120)
+            loss = model(torch.ones(8, 4)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            batch.done(loss)
+    except ShutdownRequested as stop:
+        print(f"flodl: {stop}", flush=True)
+"""
+
+
+class Launcher:
+    """``flodl run`` in a session of its own, so the test can signal its whole process group
+    as a terminal would without signalling pytest. Killed (group and all) after ``limit`` s."""
+
+    def __init__(self, run_dir: Path, nproc: int, script: Path, *args: str, limit: float = 120):
+        argv = [sys.executable, "-m", "flodl.cli", "run", "--nproc", str(nproc)]
+        argv += ["--run-dir", str(run_dir), "--heartbeat-timeout", "5", str(script), *args]
+        if "--resume" in args:
+            raise AssertionError("pass --resume with resume()")
+        self.run_dir = run_dir
+        self.process = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._watchdog = threading.Timer(limit, self._kill)
+        self._watchdog.start()
+
+    def _kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def read_until(self, needle: str) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if needle in line:
+                return
+        raise AssertionError(f"{needle!r} never printed:\n{self.output}")
+
+    def finish(self) -> int:
+        rest, _ = self.process.communicate()
+        self.lines.append(rest)
+        self._watchdog.cancel()
+        return self.process.returncode
+
+    def children(self) -> list[str]:
+        """The launcher's child processes (trio starts them from worker threads)."""
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        return [pid for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+
+    def wait_for_children(self, count: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(self.children()) > count:
+            assert time.monotonic() < deadline, self.output
+            time.sleep(0.05)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def summary(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.run_dir / "summary.json").read_text())
+        return data
+
+    def assert_no_process_left(self) -> None:
+        """The launcher's group and every rank's own group (children included) are gone."""
+        groups = [self.process.pid] + [r["pid"] for r in self.summary()["ranks"]]
+        for pgid in groups:
+            with pytest.raises(ProcessLookupError):
+                os.killpg(pgid, 0)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flodl.cli", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def assert_saved_by_every_rank(launcher: Launcher, nproc: int, signal_name: str) -> None:
+    rc = launcher.finish()
+    summary = launcher.summary()
+    assert rc == 0, launcher.output
+    assert (summary["status"], summary["save_reason"]) == ("saved", "GRACEFUL"), launcher.output
+    assert summary["signals"] == [signal_name]
+    assert summary["saved"] == {"ranks": list(range(nproc)), "missing": []}
+    for rank in summary["ranks"]:
+        assert rank["exit_code"] == 0, launcher.output
+        assert rank["exit_reason"] == "shutdown_with_save:GRACEFUL"
+        assert Path(rank["bundle"] + ".meta.json").is_file()
+    assert f"flodl: {signal_name}: every rank saves its bundle, then stops" in launcher.output
+    assert "KeyboardInterrupt" not in launcher.output
+    assert "flodl: run saved (saved: GRACEFUL)" in launcher.output
+    launcher.assert_no_process_left()
+
+
+def test_ctrl_c_to_the_whole_group_saves_and_resumes_with_other_ranks(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = Launcher(run_dir, 3, DIGITS, "--epochs", "8")
+    first.read_until("epoch 2 started")
+    os.killpg(first.process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    assert_saved_by_every_rank(first, 3, "SIGINT")
+    saved_step = first.summary()["global_step"]
+
+    resumed = run_cli(
+        *("--nproc", "2", "--run-dir", str(run_dir), "--resume", str(run_dir)),
+        *(str(DIGITS), "--epochs", "8"),
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["resumed_from"]
+    assert summary["global_step"] > saved_step
+    assert summary["final_metrics"]["test_accuracy"] >= 0.95, summary["epochs"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_launcher_alone_saves(tmp_path: Path, signum: signal.Signals) -> None:
+    launcher = Launcher(tmp_path / "run", 2, DIGITS, "--epochs", "8")
+    launcher.read_until("epoch 1 started")
+    os.kill(launcher.process.pid, signum)
+    assert_saved_by_every_rank(launcher, 2, signum.name)
+
+
+def test_a_second_ctrl_c_kills_and_the_summary_says_what_was_not_saved(tmp_path: Path) -> None:
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_RANK)
+    launcher = Launcher(tmp_path / "run", 2, script)
+    launcher.read_until("[rank 1] stuck")
+    os.killpg(launcher.process.pid, signal.SIGINT)
+    launcher.read_until("[rank 0] flodl: coordinator asked to save and stop")
+    launcher.wait_for_children(1)  # rank 0 has exited; rank 1 is still asleep
+    os.killpg(launcher.process.pid, signal.SIGINT)
+    rc = launcher.finish()
+    summary = launcher.summary()
+    assert rc == 1, launcher.output
+    assert summary["status"] == "partially_saved", launcher.output
+    assert summary["signals"] == ["SIGINT", "SIGINT"]
+    assert summary["saved"]["ranks"] == [0]
+    missing = summary["saved"]["missing"]
+    assert [m["rank"] for m in missing] == [1]
+    assert "killed by the launcher after a second SIGINT" in missing[0]["why"]
+    ranks = summary["ranks"]
+    assert ranks[0]["exit_code"] == 0 and Path(ranks[0]["bundle"] + ".meta.json").is_file()
+    assert ranks[1]["exit_code"] == -signal.SIGKILL and ranks[1]["bundle"] is None
+    assert "saved: rank 0; not saved: rank 1 (killed" in summary["message"]
+    assert "flodl: SIGINT: killing the ranks" in launcher.output
+    assert "rank 1 NOT saved: killed" in launcher.output
+    launcher.assert_no_process_left()
+    assert time.time() - summary["started_unix"] < 60  # killed, not waited out
+
+
+def test_ranks_do_not_outlive_a_sigkilled_launcher(tmp_path: Path) -> None:
+    """Out of the launcher's process group, a rank still ends when its launcher dies: it sees
+    the coordinator's connection close and gives up."""
+    launcher = Launcher(tmp_path / "run", 2, DIGITS, "--epochs", "50")
+    launcher.read_until("epoch 1 started")
+    ranks = [int(pid) for pid in launcher.children()]
+    assert len(ranks) == 2
+    os.kill(launcher.process.pid, signal.SIGKILL)
+    launcher.finish()
+    deadline = time.monotonic() + 20  # the heartbeat timeout (5 s) and some
+    while left := _live_members(ranks):
+        assert time.monotonic() < deadline, left
+        time.sleep(0.05)
+
+
+def _live_members(groups: list[int]) -> list[int]:
+    """Processes, zombies aside, in any of ``groups`` (an orphan's zombie waits on init)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) in groups:
+            found.append(int(stat.parent.name))
+    return found
