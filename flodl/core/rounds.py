@@ -123,10 +123,13 @@ class Rounds:
         )
 
     def position(self) -> dict[str, int]:
-        """Where training stands, for a checkpoint: the epoch, global step and round."""
+        """Where training stands, for a checkpoint: the epoch running (once all are done,
+        their number, so a resumed run starts with the first epoch it adds), global step and
+        round."""
         work = self.dispatch.work
+        epoch = 0 if work is None else work.epochs if work.done else work.current_epoch
         return {
-            "epoch": work.current_epoch if work is not None else 0,
+            "epoch": epoch,
             "global_step": self.cycle.global_step,
             "sync_round": self.cycle.round,
         }

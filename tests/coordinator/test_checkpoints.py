@@ -34,6 +34,8 @@ async def test_periodic_saves_go_to_the_lowest_rank_and_every_rank_saves_before_
         assert received.index(rank.record.ended_by) > final
     versions = sorted(m.version for a in asked for m in a)
     assert versions == list(range(1, len(versions) + 1))
+    # A completed run's meta counts every epoch as done: a resume starts with the next one.
+    assert cluster.coordinator.machine.checkpoint_meta()["epoch"] == 2
 
 
 async def test_a_run_without_a_schedule_still_saves_once_at_the_end(
