@@ -440,7 +440,8 @@ def print_summary(summary: dict[str, Any], stream: Any = None) -> None:
     out = stream or sys.stdout
     status = summary["status"]
     reason = summary.get("save_reason")
-    print(f"\nflodl: run {status}" + (f" (saved: {reason})" if reason else ""), file=out)
+    asked = "saved" if status == Status.SAVED.value else "save asked for"
+    print(f"\nflodl: run {status}" + (f" ({asked}: {reason})" if reason else ""), file=out)
     print(f"  {summary['message']}", file=out)
     print(
         f"  {'rank':>4} {'batches':>8} {'syncs':>6} {'idle':>7} {'averaging':>10} {'exit':>5}",
