@@ -212,26 +212,28 @@ def _check_url(flag: str, url: str) -> None:
 
 def _coordinator(args: argparse.Namespace) -> int:
     from flodl.coordinator import open_coordinator
+    from flodl.launcher_signals import coordinate
 
     _check_url("--listen", args.listen)
     check_at_least("--world-size", args.world_size, 1)
     config = _coordinator_config(args)
     key = session_key_from_env()
 
-    async def serve() -> str:
+    async def serve() -> tuple[str, int]:
         async with open_coordinator(
             args.listen, args.world_size, key, config, local_ranks=frozenset(), seed=args.seed
         ) as coordinator:
             print(f"flodl coordinator listening on {coordinator.url}", flush=True)
-            outcome = await coordinator.wait_finished()
-        return f"{outcome.status.value} {outcome.message}"
+            return await coordinate(coordinator)  # SIGINT/SIGTERM: every rank saves
 
-    print(f"flodl: run {trio.run(serve)}")
-    return 0
+    line, status = trio.run(serve)
+    print(line, flush=True)
+    return status
 
 
 def _worker(args: argparse.Namespace) -> int:
     from flodl.worker.config import WorkerConfig
+    from flodl.worker.signals import ENV_VAR as STOP_ON_SIGNALS
 
     # The checks a rank would make after importing torch, made here by the flags' names.
     _check_url("--coordinator", args.coordinator)
@@ -261,6 +263,7 @@ def _worker(args: argparse.Namespace) -> int:
         run_dir=args.run_dir.resolve(),
     )
     env = {**os.environ, **rank_env.variables()}
+    env[STOP_ON_SIGNALS] = "1"  # no launcher here: SIGTERM/SIGINT ask the coordinator to save
     WorkerConfig.from_env(env)  # what the rank will read, refused here rather than after torch
     args.run_dir.mkdir(parents=True, exist_ok=True)
     os.execvpe(sys.executable, [sys.executable, args.script, *args.script_args], env)

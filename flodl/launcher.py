@@ -15,6 +15,7 @@ The session key is generated here and handed to the ranks in a 0600 file named b
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -279,7 +280,9 @@ async def _launch(
                         start_new_session=True,
                     )
 
-                await nursery.start(watch_signals, coordinator, spawned, stops)
+                kill = functools.partial(kill_rank_groups, spawned)
+                says = ("kill them", "killing the ranks")
+                await nursery.start(watch_signals, coordinator, stops, kill, says)
                 for rank in range(config.nproc):
                     item = RankProcess(rank, await start_rank(rank), time.time())
                     spawned.append(item)

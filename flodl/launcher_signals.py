@@ -16,7 +16,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
@@ -83,12 +83,15 @@ def kill_rank_groups(spawned: Sequence[RankProcess], *, exited_too: bool = False
 
 async def watch_signals(
     coordinator: Coordinator,
-    spawned: Sequence[RankProcess],
     stops: StopSignals,
+    again: Callable[[], None],
+    again_says: tuple[str, str],
     *,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """First SIGINT/SIGTERM: every rank saves and stops. Any later one: kill every rank.
+    """First SIGINT/SIGTERM: every rank saves and stops. Any later one: ``again()`` (the
+    launcher kills every rank; ``flodl coordinator`` stops at once). ``again_says``: what
+    that does, as offered after the first ("kill the ranks") and as done ("killing the ranks").
 
     Reports ``started`` once the handlers are in place: start it before the first rank.
     """
@@ -103,8 +106,32 @@ async def watch_signals(
                 else:
                     text = f"flodl: {name}: every rank saves its bundle, then stops"
                     coordinator.request_stop(save=True)
-                say(f"{text} (again to kill them)", sys.stderr)
+                say(f"{text} (again to {again_says[0]})", sys.stderr)
             else:
                 stops.killed = True
-                say(f"flodl: {name}: killing the ranks", sys.stderr)
-                kill_rank_groups(spawned)
+                say(f"flodl: {name}: {again_says[1]}", sys.stderr)
+                again()
+
+
+async def coordinate(coordinator: Coordinator) -> tuple[str, int]:
+    """``flodl coordinator``: serve until the run ends, SIGINT/SIGTERM handled as by ``flodl
+    run`` except that a second one stops the coordinator at once (its ranks, on other hosts,
+    then see it gone). Returns the line to print and the exit status."""
+    stops = StopSignals()
+    async with trio.open_nursery() as nursery:
+        says = ("stop at once", "stopping at once; ranks still saving lose their work")
+        await nursery.start(watch_signals, coordinator, stops, nursery.cancel_scope.cancel, says)
+        await coordinator.wait_finished()
+        nursery.cancel_scope.cancel()
+    outcome = coordinator.machine.outcome
+    why = outcome.message + (f" ({stops.received[0]})" if stops.received else "")
+    if stops.killed:
+        return f"flodl: run stopped at once by a second {stops.received[-1]}: {why}", 1
+    if outcome.save_reason is not None:
+        # The bundles are on the ranks' hosts: each rank's output says whether it saved.
+        return (
+            f"flodl: run stopped, every rank asked to save (save_reason "
+            f"{outcome.save_reason.name}): {why}; each rank writes its bundle on its own host",
+            0,
+        )
+    return f"flodl: run {outcome.status.value} {why}", 0

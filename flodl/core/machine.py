@@ -275,6 +275,9 @@ class CoordinatorMachine:
         if isinstance(message, Intent):
             if message.kind is IntentKind.CHECKPOINT_NOW:
                 self.rounds.request_checkpoint(rank)
+            if message.kind is IntentKind.SAVE_AND_STOP:
+                why = f"rank {rank} asked to stop"
+                return list(self.ending.save(SaveReason.GRACEFUL, now, why))
             return []
         if isinstance(message, CheckpointResult):
             return self._maybe_trigger(now) if self.rounds.on_checkpoint_result(message) else []

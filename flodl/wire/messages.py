@@ -48,6 +48,9 @@ class IntentKind(enum.IntEnum):
 
     EVAL_NOW = 0
     CHECKPOINT_NOW = 1
+    SAVE_AND_STOP = 2
+    """End the run with ShutdownWithSave(GRACEFUL): the rank's process got SIGTERM or SIGINT
+    (``flodl worker``)."""
 
 
 @attrs.frozen
@@ -252,7 +255,8 @@ class LrUpdate(Message):
 
 @attrs.frozen
 class Intent(Message):
-    """``rank`` asks for an evaluation or a checkpoint at the next averaging round."""
+    """``rank`` asks for an evaluation or a checkpoint at the next averaging round, or for the
+    run to save and stop."""
 
     TAG: ClassVar[int] = 70
     rank: int = u64()

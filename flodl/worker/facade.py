@@ -35,6 +35,7 @@ from flodl.errors import ConfigError, CoordinatorError, FlodlError
 from flodl.wire.messages import EpochAggregated
 from flodl.worker.config import WorkerConfig
 from flodl.worker.runtime import Worker, open_worker
+from flodl.worker.signals import StopOnSignals
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +75,7 @@ class Rank:
         self._optimizer = optimizer
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
+        self._signals: StopOnSignals | None = None
         self._thread_error: BaseException | None = None
         self._worker: Worker | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -98,6 +100,9 @@ class Rank:
             if isinstance(error, BaseException):
                 raise error
             raise CoordinatorError("the rank's trio thread ended before connecting")
+        assert self._token is not None
+        self._signals = StopOnSignals(self._worker, self._token)
+        self._signals.install()  # under `flodl worker` only (flodl/worker/signals.py)
         return self
 
     def __exit__(
@@ -109,6 +114,8 @@ class Rank:
         """Leave the run: the backend and the connection are closed before this returns,
         whatever ended the block (an error, Ctrl-C or a normal end)."""
         self._exit_error = exc
+        if self._signals is not None:
+            self._signals.restore()
         token, close = self._token, self._close
         if token is not None and close is not None:
             try:

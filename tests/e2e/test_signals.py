@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -222,3 +224,76 @@ def _live_members(groups: list[int]) -> list[int]:
         if fields[0] != "Z" and int(fields[2]) in groups:
             found.append(int(stat.parent.name))
     return found
+
+
+# --- flodl coordinator / flodl worker -------------------------------------------------------------
+
+
+def _multihost(tmp_path: Path) -> tuple[subprocess.Popen[str], list[subprocess.Popen[str]]]:
+    env = dict(os.environ, FLODL_SESSION_KEY=secrets.token_hex(32))
+    flodl = [sys.executable, "-m", "flodl.cli"]
+    coordinator = subprocess.Popen(
+        [*flodl, "coordinator", "--listen", "tcp://127.0.0.1:0", "--world-size", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    assert coordinator.stdout is not None
+    url = re.search(r"tcp://127\.0\.0\.1:\d+", coordinator.stdout.readline())
+    assert url, "the coordinator printed no URL"
+    workers = [
+        subprocess.Popen(
+            [
+                *(*flodl, "worker", "--coordinator", url.group(0), "--rank", str(rank)),
+                *("--world-size", "2", "--run-dir", str(tmp_path / f"host{rank}")),
+                *(str(DIGITS), "--epochs", "50"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in range(2)
+    ]
+    return coordinator, workers
+
+
+@pytest.mark.parametrize("target", ["worker", "coordinator"])
+def test_sigterm_to_a_worker_or_the_coordinator_saves_every_rank(
+    tmp_path: Path, target: str
+) -> None:
+    coordinator, workers = _multihost(tmp_path)
+    procs = [coordinator, *workers]
+    timers = [threading.Timer(120, p.kill) for p in procs]
+    for timer in timers:
+        timer.start()
+    try:
+        assert workers[1].stdout is not None
+        for line in workers[1].stdout:
+            if "epoch 1 started" in line:
+                break
+        (workers[1] if target == "worker" else coordinator).send_signal(signal.SIGTERM)
+        outputs = [p.communicate()[0] for p in procs]
+    finally:
+        for proc, timer in zip(procs, timers, strict=True):
+            timer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    asked = "rank 1 asked to stop" if target == "worker" else "stop requested (SIGTERM)"
+    assert "flodl: run stopped, every rank asked to save (save_reason GRACEFUL)" in outputs[0]
+    assert asked in outputs[0], outputs[0]
+    if target == "worker":
+        assert "flodl: SIGTERM: asking the coordinator to save every rank" in outputs[2]
+    for rank in range(2):
+        assert "coordinator asked to save and stop: GRACEFUL (saved to" in outputs[1 + rank]
+        saved = tmp_path / f"host{rank}" / "checkpoints" / f"rank{rank}"
+        metas = [json.loads(p.read_text()) for p in saved.glob("*.meta.json")]
+        assert [m["save_reason"] for m in metas] == ["GRACEFUL"], outputs
+    for proc in procs:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)
