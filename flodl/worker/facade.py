@@ -148,8 +148,17 @@ class Rank:
             raise FlodlError("use the rank inside its `with` block")
         try:
             return trio.from_thread.run(fn, *args, trio_token=self._token)
-        except trio.RunFinishedError:
-            raise CoordinatorError("the rank's trio thread has stopped") from None
+        except (trio.RunFinishedError, trio.Cancelled):
+            raise self._stopped() from self._thread_error
+
+    def _stopped(self) -> CoordinatorError:
+        """The trio thread ended under a call: an error that says why (its own error, once
+        the thread has finished; it is ending, so the wait is short)."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        error = self._thread_error
+        why = "" if error is None else f": {type(error).__name__}: {error}"
+        return CoordinatorError(f"the rank's trio thread has stopped{why}")
 
     @property
     def worker(self) -> Worker:
