@@ -308,11 +308,11 @@ class Worker:
             changed = self._wakeup.event()
             effects = machine.boundary(trio.current_time())
             step = effects.pop()
+            if isinstance(step, HandOut) and step.reserved:
+                self._staged.reclaim()  # before any wait: a message may reserve the next one
             self._perform(effects)
             await self._outbox.flush()
             if isinstance(step, HandOut):
-                if step.reserved:
-                    self._staged.reclaim()
                 return step.batch
             if isinstance(step, Finish):
                 return None
