@@ -25,7 +25,9 @@ The work protocol (what :mod:`flodl.core.machine` relies on):
 
 Parameters are read or written only at a boundary, so a step and an average never overlap.
 Under the Async policy the boundary only starts a background round on a snapshot; its result
-is blended in at a later boundary.
+is blended in at a later boundary, or taken exactly when nothing was trained since the
+snapshot (:class:`~flodl.core.rank_effects.Blend`), as in the run's last round: every rank
+ends with the same parameters.
 """
 
 from __future__ import annotations
@@ -170,6 +172,11 @@ class RankMachine:
     def epoch(self) -> int:
         """The epoch of the batch handed out last."""
         return 0 if self.work is None else self.work.epoch
+
+    @property
+    def step(self) -> BoundaryStep | None:
+        """The boundary step handed to the shell and not reported finished yet."""
+        return self._step
 
     @property
     def queued(self) -> int:
@@ -336,8 +343,8 @@ class RankMachine:
             raise OutOfTurn("boundary() while the bundle is being saved")
         background = self._background
         if background is not None:  # its batches are settled before another round starts
-            if background.landed:
-                self._step = Blend(background.sync)
+            if background.landed:  # since_average: batches trained since its snapshot
+                self._step = Blend(background.sync, exact=self.since_average == 0)
                 return [self._step]
             if self._inbox and isinstance(self._inbox[0], SyncNow):
                 return [Wait()]  # a redo behind an abandoned round: it lands soon

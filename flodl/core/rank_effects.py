@@ -126,9 +126,16 @@ class Average:
 
 @attrs.frozen
 class Blend:
-    """The background round for ``sync`` landed: blend it into the live parameters."""
+    """The background round for ``sync`` landed: blend it into the live parameters (EASGD).
+
+    ``exact``: nothing was trained since its snapshot, so the live parameters are the snapshot
+    and there is no local progress to keep: the average replaces them as it is, as under Sync
+    and Cadence. The run's last round is always such a round on every member (every batch is
+    reported before it starts), so an Async run ends with one model on every rank.
+    """
 
     sync: SyncNow
+    exact: bool = False
 
 
 @attrs.frozen

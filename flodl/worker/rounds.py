@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from flodl.backends import DEFAULT_ALPHA
 from flodl.core.rank import RankMachine
-from flodl.core.rank_effects import RankEffect
+from flodl.core.rank_effects import Blend, RankEffect
 from flodl.errors import BackendError
 from flodl.wire.messages import SyncNow
 from flodl.worker.membership import GroupMembership, Standing
@@ -151,15 +152,18 @@ class RoundRunner:
             self._perform(list(self._machine.background_landed()))
 
     async def blend(self) -> list[RankEffect]:
-        """Blend the landed background round into the live tensors; the machine's answer."""
+        """Blend the landed background round into the live tensors (the EASGD default alpha;
+        the average as it is when the machine's Blend step is ``exact``); its answer."""
         pending, sync = self._pending, self._pending_sync
         assert pending is not None and sync is not None
         self._pending = self._pending_sync = None
+        step = self._machine.step
+        alpha = 1.0 if isinstance(step, Blend) and step.exact else DEFAULT_ALPHA
         params, buffers = self._tensors()
         started = trio.current_time()
         result: AverageResult | None = None
         try:
-            result = await trio.to_thread.run_sync(pending.blend_into, params, buffers)
+            result = await trio.to_thread.run_sync(pending.blend_into, params, buffers, alpha)
         except BackendError as err:
             log.info("rank %d: round %d did not land: %s", self._machine.rank, sync.round, err)
         if result is not None:
