@@ -134,6 +134,12 @@ class CoordinatorError(FlodlError):
     """The coordinator cannot go on (the message says why)."""
 
 
+class RunAborted(FlodlError):
+    """The coordinator ended this rank's run without a save (the run could not start, or it
+    refused or disconnected this rank); the message says why. The training loop raises it
+    from its next batch: the run did not complete for this rank."""
+
+
 class RankDeclaredDead(FlodlError):
     """This rank was declared dead by the coordinator."""
 

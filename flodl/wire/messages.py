@@ -187,6 +187,15 @@ class EpochAggregated(Message):
     scalars: tuple[tuple[str, float], ...] = scalar_map()
 
 
+@attrs.frozen
+class Abort(Message):
+    """The coordinator lets this rank go without a save: ``reason`` says why (the run could
+    not start, or this rank was refused or disconnected). The rank's run did not complete."""
+
+    TAG: ClassVar[int] = 15
+    reason: str = text()
+
+
 # --- rank -> coordinator (tags 64..127) -----------------------------------------------------
 
 
@@ -326,6 +335,7 @@ TO_RANK: tuple[type[Message], ...] = (
     ShutdownWithSave,
     CoordHeartbeat,
     EpochAggregated,
+    Abort,
 )
 """Messages the coordinator sends to ranks."""
 
