@@ -7,7 +7,7 @@ light: torch is imported only by the modules that average parameters or save the
 """
 
 from flodl.config import CoordinatorConfig, GuardKind, MaxFailure, Policy
-from flodl.errors import FlodlError, ShutdownRequested
+from flodl.errors import FlodlError, RunAborted, ShutdownRequested
 from flodl.wire.messages import SaveReason
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "GuardKind",
     "MaxFailure",
     "Policy",
+    "RunAborted",
     "SaveReason",
     "ShutdownRequested",
     "__version__",

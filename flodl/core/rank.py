@@ -66,6 +66,7 @@ from flodl.core.rank_work import RankWork
 from flodl.core.work import BatchSlice
 from flodl.errors import ConfigError, FlodlError, OutOfTurn, UnexpectedMessage
 from flodl.wire.messages import (
+    Abort,
     Batch,
     Checkpoint,
     CheckpointResult,
@@ -249,6 +250,8 @@ class RankMachine:
             )
         if life.done:
             return []
+        if isinstance(message, Abort):  # the next boundary raises RunAborted
+            return [CancelRound(), Wake()] if life.abort(message.reason) else []
         if isinstance(message, CoordHeartbeat):
             return []
         if isinstance(message, EpochAggregated):
@@ -323,7 +326,7 @@ class RankMachine:
             raise OutOfTurn("boundary() outside enter_boundary() / leave_boundary()")
         life = self.life
         state = life.state
-        if state is RankState.LOST or state is RankState.STOPPED:
+        if state in (RankState.LOST, RankState.STOPPED, RankState.ABORTED):
             assert life.error is not None
             return [Raise(life.error)]
         if state is RankState.EXITED:

@@ -8,10 +8,12 @@ not allow is a typed error instead of a combination of flags nobody thought of::
     JOINED | TRAINING --shutdown_with_save--> SAVE_PENDING --start_save--> SAVING
                                                             --save_finished--> STOPPED
     JOINED | TRAINING --lose--> LOST
+    JOINED | TRAINING --abort--> ABORTED  (Abort: the coordinator let the rank go, no save)
 
-EXITED, STOPPED and LOST are terminal. Once a rank is ending it no longer needs the
+EXITED, STOPPED, LOST and ABORTED are terminal. Once a rank is ending it no longer needs the
 coordinator (it says goodbye and closes), so losing the connection then changes nothing:
-those moves are in :data:`IGNORED`, as is a second Shutdown. :class:`Lifecycle` holds one
+those moves are in :data:`IGNORED`, as is a second Shutdown, an Abort once ending, and the
+connection the coordinator closes after an Abort. :class:`Lifecycle` holds one
 rank's state together with why its run ended (the error later calls raise, the exit reason
 for its report, the save reason).
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import enum
 
-from flodl.errors import FlodlError, OutOfTurn, ShutdownRequested
+from flodl.errors import FlodlError, OutOfTurn, RunAborted, ShutdownRequested
 from flodl.wire.messages import SaveReason
 
 __all__ = ["IGNORED", "MOVES", "TERMINAL", "Lifecycle", "Move", "RankState", "next_state"]
@@ -43,6 +45,8 @@ class RankState(enum.Enum):
     """Goodbye sent after ShutdownWithSave (saved, or the save failed and the report says so)."""
     LOST = "lost"
     """The coordinator is lost (silent or disconnected): every later call raises."""
+    ABORTED = "aborted"
+    """Abort arrived: the coordinator let this rank go unsaved; every later call raises."""
 
 
 class Move(enum.Enum):
@@ -53,6 +57,7 @@ class Move(enum.Enum):
     START_SAVE = "start_save"
     SAVE_FINISHED = "save_finished"
     LOSE = "lose"
+    ABORT = "abort"
 
 
 S, M = RankState, Move
@@ -68,14 +73,17 @@ MOVES: dict[tuple[RankState, Move], RankState] = {
     (S.SAVING, M.SAVE_FINISHED): S.STOPPED,
     (S.JOINED, M.LOSE): S.LOST,
     (S.TRAINING, M.LOSE): S.LOST,
+    (S.JOINED, M.ABORT): S.ABORTED,
+    (S.TRAINING, M.ABORT): S.ABORTED,
 }
 """Every legal move that changes the state."""
 
 ENDING_STATES = frozenset({S.ENDING, S.SAVE_PENDING, S.SAVING})
-TERMINAL = frozenset({S.EXITED, S.STOPPED, S.LOST})
+TERMINAL = frozenset({S.EXITED, S.STOPPED, S.LOST, S.ABORTED})
 
 IGNORED: frozenset[tuple[RankState, Move]] = frozenset(
-    {(state, M.LOSE) for state in ENDING_STATES | {S.EXITED, S.STOPPED, S.LOST}}
+    {(state, M.LOSE) for state in ENDING_STATES | TERMINAL}
+    | {(state, M.ABORT) for state in ENDING_STATES | TERMINAL}
     | {(state, move) for state in ENDING_STATES | TERMINAL for move in (M.SHUTDOWN,)}
     | {(state, M.SHUTDOWN_WITH_SAVE) for state in ENDING_STATES | TERMINAL}
 )
@@ -124,7 +132,8 @@ class Lifecycle:
         return self.state is RankState.TRAINING
 
     def raise_if_lost(self) -> None:
-        if self.state is RankState.LOST:
+        """Raise why the rank is LOST or ABORTED (nothing in any other state)."""
+        if self.state is RankState.LOST or self.state is RankState.ABORTED:
             assert self.error is not None
             raise self.error
 
@@ -140,6 +149,16 @@ class Lifecycle:
         self.move(Move.LOSE)
         self.error = error
         self.note_exit(f"coordinator_lost: {error}")
+        return True
+
+    def abort(self, reason: str) -> bool:
+        """Abort arrived: ABORTED, with RunAborted for later calls; False (nothing changes)
+        once ending or ended."""
+        if self.state not in (RankState.JOINED, RankState.TRAINING):
+            return False
+        self.move(Move.ABORT)
+        self.error = RunAborted(f"the coordinator ended this rank's run: {reason}")
+        self.note_exit(f"aborted: {reason}")
         return True
 
     def shut_down(self, reason: SaveReason | None) -> bool:

@@ -193,9 +193,10 @@ class Rank:
     def batches(self, dataset_size: int, batch_size: int, epochs: int) -> Iterator[TrainingBatch]:
         """The batches this rank trains, as the coordinator hands them out.
 
-        Sends ``Ready`` on first use. Ends when the run is shut down; raises
-        ShutdownRequested after a ShutdownWithSave (the bundle is saved first) and
-        CoordinatorError if the coordinator is lost (a death record is written).
+        Sends ``Ready`` on first use. Ends when the run is shut down, and only then; raises
+        ShutdownRequested after a ShutdownWithSave (the bundle is saved first),
+        CoordinatorError if the coordinator is lost (a death record is written) and
+        RunAborted when the coordinator lets this rank go and says why (``Abort``).
         """
         worker = self.worker
         self._call(worker.announce, dataset_size, batch_size, epochs)

@@ -30,9 +30,16 @@ from flodl.core.rank_effects import (
 )
 from flodl.core.rank_state import RankState
 from flodl.core.work import BatchSlice
-from flodl.errors import CoordinatorError, OutOfTurn, ShutdownRequested, UnexpectedMessage
+from flodl.errors import (
+    CoordinatorError,
+    OutOfTurn,
+    RunAborted,
+    ShutdownRequested,
+    UnexpectedMessage,
+)
 from flodl.wire.messages import (
     TO_RANK,
+    Abort,
     Batch,
     Checkpoint,
     CoordHeartbeat,
@@ -64,7 +71,7 @@ from tests.core.test_rank_machine import (
 
 S = RankState
 ENDING_STATES = (S.ENDING, S.SAVE_PENDING, S.SAVING)
-TERMINAL_STATES = (S.EXITED, S.STOPPED, S.LOST)
+TERMINAL_STATES = (S.EXITED, S.STOPPED, S.LOST, S.ABORTED)
 
 
 def machine_in(state: RankState, policy: Policy = Policy.CADENCE) -> RankMachine:
@@ -80,6 +87,8 @@ def machine_in(state: RankState, policy: Policy = Policy.CADENCE) -> RankMachine
         machine.receive(ShutdownWithSave(reason=SaveReason.MAX_FAILURE))
     elif state is S.LOST:
         machine.connection_lost(CoordinatorError("the coordinator went away"))
+    elif state is S.ABORTED:
+        machine.receive(Abort(reason="rank 1 describes another job"))
     if state in (S.EXITED, S.SAVING, S.STOPPED):
         machine.enter_boundary(1.0)
         machine.boundary(1.0)  # goodbye, or the save begins
@@ -110,6 +119,7 @@ MESSAGES: dict[str, Message] = {
     "EpochAggregated": SUMMARY,
     "Shutdown": Shutdown(),
     "ShutdownWithSave": ShutdownWithSave(reason=SaveReason.GRACEFUL),
+    "Abort": Abort(reason="the run could not start"),
 }
 
 
@@ -164,6 +174,7 @@ def common(state: RankState, name: str) -> tuple[list[RankEffect], Seen] | None:
         "EpochAggregated": ([], Seen(state, last_epoch=SUMMARY)),
         "Shutdown": ([CancelRound(), Wake()], Seen(S.ENDING)),
         "ShutdownWithSave": ([CancelRound(), Wake()], Seen(S.SAVE_PENDING)),
+        "Abort": ([CancelRound(), Wake()], Seen(S.ABORTED)),
     }
     return outcomes.get(name)
 
@@ -216,6 +227,10 @@ def test_each_message_while_training(name: str) -> None:
         assert steps == [Finish()]
     elif name == "ShutdownWithSave":
         assert steps[0] == SaveAndStop("GRACEFUL")
+    elif name == "Abort":
+        (raised,) = steps
+        assert isinstance(raised, Raise) and isinstance(raised.error, RunAborted)
+        assert "ended this rank's run: the run could not start" in str(raised.error)
     else:
         assert steps == [Wait()]
 
@@ -294,6 +309,31 @@ def test_the_next_boundary_in_each_state() -> None:
     assert stopped.error.reason is SaveReason.MAX_FAILURE
     (lost,) = next_batch(machine_in(S.LOST), 5.0).effects
     assert isinstance(lost, Raise) and isinstance(lost.error, CoordinatorError)
+    aborted = machine_in(S.ABORTED)
+    (raised,) = next_batch(aborted, 5.0).effects
+    assert isinstance(raised, Raise) and isinstance(raised.error, RunAborted)
+    assert "rank 1 describes another job" in str(raised.error)
+    assert aborted.tallies()["exit_reason"] == "aborted: rank 1 describes another job"
+
+
+def test_an_abort_before_the_job_is_announced_is_raised_by_the_announce() -> None:
+    machine = machine_in(S.JOINED)
+    assert machine.receive(Abort(reason="ranks [1] did not join in time")) == [
+        CancelRound(),
+        Wake(),
+    ]
+    with pytest.raises(RunAborted, match=r"did not join in time"):
+        machine.announce(JOB)
+    assert machine.tallies()["exit_reason"] == "aborted: ranks [1] did not join in time"
+
+
+def test_losing_the_connection_after_an_abort_changes_nothing() -> None:
+    machine = machine_in(S.ABORTED)
+    assert machine.connection_lost(CoordinatorError("closed")) == []
+    assert state_of(machine) is S.ABORTED
+    assert machine.tallies()["exit_reason"] == "aborted: rank 1 describes another job"
+    (raised,) = next_batch(machine, 5.0).effects
+    assert isinstance(raised, Raise) and isinstance(raised.error, RunAborted)
 
 
 # --- local calls out of turn -----------------------------------------------------------------

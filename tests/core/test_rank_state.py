@@ -31,8 +31,10 @@ def test_the_table_is_exactly_the_documented_lifecycle() -> None:
         (S.SAVING, M.SAVE_FINISHED): S.STOPPED,
         (S.JOINED, M.LOSE): S.LOST,
         (S.TRAINING, M.LOSE): S.LOST,
+        (S.JOINED, M.ABORT): S.ABORTED,
+        (S.TRAINING, M.ABORT): S.ABORTED,
     }
-    assert {S.EXITED, S.STOPPED, S.LOST} == TERMINAL
+    assert {S.EXITED, S.STOPPED, S.LOST, S.ABORTED} == TERMINAL
 
 
 @pytest.mark.parametrize(("state", "move"), sorted(MOVES, key=str), ids=name)
@@ -47,11 +49,11 @@ def test_every_ignored_move_keeps_the_state(state: RankState, move: Move) -> Non
     assert next_state(state, move) is state
 
 
-def test_ignored_moves_are_losing_or_a_second_shutdown_once_ending_or_done() -> None:
+def test_ignored_moves_are_losing_aborting_or_a_second_shutdown_once_ending_or_done() -> None:
     expected = {
         (state, move)
         for state in ENDING | TERMINAL
-        for move in (Move.LOSE, Move.SHUTDOWN, Move.SHUTDOWN_WITH_SAVE)
+        for move in (Move.LOSE, Move.ABORT, Move.SHUTDOWN, Move.SHUTDOWN_WITH_SAVE)
     }
     assert expected == IGNORED
     assert not set(MOVES) & IGNORED
@@ -76,8 +78,11 @@ def test_the_illegal_moves_include_the_ones_that_matter() -> None:
     assert (RankState.SAVE_PENDING, Move.SAVE_FINISHED) in illegal
     assert (RankState.SAVING, Move.GOODBYE) in illegal
     assert (RankState.ENDING, Move.ANNOUNCE) in illegal
-    # 8 states x 7 moves, 10 moves, 18 ignored.
-    assert len(ILLEGAL) == 8 * 7 - 10 - 18
+    # An abort after the run ended for the rank is not a second ending.
+    assert next_state(RankState.ABORTED, Move.LOSE) is RankState.ABORTED
+    assert (RankState.ABORTED, Move.ANNOUNCE) in illegal
+    # 9 states x 8 moves, 12 moves, 28 ignored.
+    assert len(ILLEGAL) == 9 * 8 - 12 - 28
 
 
 @pytest.mark.parametrize("state", sorted(TERMINAL, key=str), ids=name)
