@@ -57,6 +57,14 @@ def _add_coordinator_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="rank 0 (the lowest live rank) saves a bundle every N epochs",
     )
+    parser.add_argument(
+        "--min-ranks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks that die before joining (not restarted): start without them while N remain "
+        "(default: 2 with a collective group, the SingleSurvivor rule)",
+    )
 
 
 def _check_coordinator_flags(args: argparse.Namespace) -> None:
@@ -80,6 +88,13 @@ def _check_coordinator_flags(args: argparse.Namespace) -> None:
     ):
         if value is not None:
             check_at_least(flag, value, 1)
+    if args.min_ranks is not None:
+        check_at_least("--min-ranks", args.min_ranks, 1)
+        world = getattr(args, "nproc", None) or getattr(args, "world_size", None)
+        if isinstance(world, int) and 1 <= world < args.min_ranks:
+            raise ConfigError(
+                f"--min-ranks must be at most the world size ({world}), got {args.min_ranks}"
+            )
 
 
 def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
@@ -96,6 +111,7 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         window_cap_epochs=args.window_cap_epochs,
         checkpoint_every=args.checkpoint_every,
         checkpoint_every_epochs=args.checkpoint_every_epochs,
+        min_ranks=args.min_ranks,
     )
 
 

@@ -121,6 +121,9 @@ class CoordinatorConfig:
     max_failure: MaxFailure | None = None
     collective: bool = True
     """True for gloo/nccl groups: fewer than 2 survivors cannot average (SingleSurvivor)."""
+    min_ranks: int | None = attrs.field(default=None, validator=_optional_at_least_one)
+    """A rank that dies before the world joined (and is not restarted): the run starts with
+    the others while at least this many remain (None: 2 for a collective group, else 1)."""
     checkpoint_every: int | None = attrs.field(default=None, validator=_optional_at_least_one)
     """The lowest live rank saves a bundle every this many averaging rounds (None: never)."""
     checkpoint_every_epochs: int | None = attrs.field(
@@ -177,4 +180,5 @@ class CoordinatorConfig:
             trend_threshold=self.trend_threshold,
             max_failure=self.max_failure,
             collective=self.collective,
+            min_ranks=self.min_ranks,
         )

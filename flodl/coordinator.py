@@ -43,7 +43,7 @@ from flodl.admission import serve_ranks
 from flodl.config import CoordinatorConfig
 from flodl.core.effects import Broadcast, Send
 from flodl.core.machine import CoordinatorMachine, Disconnect, Effect, Outcome, ResumeState
-from flodl.core.timeline import Timeline
+from flodl.core.timeline import EventKind, Timeline
 from flodl.errors import (
     ChannelClosed,
     CoordinatorError,
@@ -58,8 +58,9 @@ from flodl.transports.channel_reader import ChannelReader
 from flodl.transports.errors import STREAM_ERRORS
 from flodl.transports.readers import reader_for
 from flodl.wire.codec import EncodedMessage, encode_message
+from flodl.wire.fields import MAX_TEXT
 from flodl.wire.handshake import check_session_key
-from flodl.wire.messages import CoordHeartbeat, Message
+from flodl.wire.messages import Abort, CoordHeartbeat, Message
 
 _Outgoing = Message | EncodedMessage
 """What a rank's queue holds: a message, or one whose payload a broadcast encoded once."""
@@ -80,6 +81,9 @@ _CONNECTION_ERRORS: tuple[type[Exception], ...] = (
 OUTBOX_LIMIT = 4096
 """Messages queued for one rank before it is judged too slow to keep up and disconnected."""
 
+ABORT_GRACE = 1.0
+"""Seconds a rank being let go (Disconnect) has to take its Abort before its connection ends."""
+
 HEARTBEAT_SLOTS = 16
 """The heartbeat interval is cut into this many slots; each rank beats in one of them."""
 
@@ -97,6 +101,8 @@ class _RankLink:
     wake: trio.Event = attrs.field(factory=trio.Event)
     """Set when the writer has something to send."""
     closed: bool = False
+    aborting: bool = False
+    """Being let go: its Abort is queued, nothing more is sent or read, it ends once sent."""
 
 
 class Coordinator:
@@ -138,9 +144,21 @@ class Coordinator:
         await self._finished.wait()
         return self._machine.outcome
 
-    def report_exit(self, rank: int, returncode: int) -> None:
-        """The launcher saw ``rank``'s process exit with ``returncode`` (feeds death detection)."""
-        self._perform(self._machine.on_exit_reported(rank, returncode, trio.current_time()))
+    def report_exit(self, rank: int, returncode: int, *, restarting: bool = False) -> list[str]:
+        """The launcher saw ``rank``'s process exit with ``returncode`` (feeds death detection);
+        ``restarting``: the launcher starts it again. Returns what a person should hear of it
+        (the run going on without a rank that died before joining)."""
+        timeline, now = self._machine.timeline, trio.current_time()
+        before = len(timeline)
+        self._perform(self._machine.on_exit_reported(rank, returncode, now, restarting=restarting))
+        notices = [
+            f"{event.detail['why']}; the run goes on with ranks {event.detail['ranks']}"
+            for event in list(timeline)[before:]
+            if event.kind is EventKind.GOING_ON_WITHOUT
+        ]
+        for notice in notices:
+            log.warning("%s", notice)
+        return notices
 
     def request_stop(self, save: bool = True) -> None:
         """End the run: save first (ShutdownWithSave(GRACEFUL)) or just shut down."""
@@ -243,7 +261,10 @@ class Coordinator:
         """Feed ``rank``'s messages to the machine in order, all at ``now``; ProtocolError
         (the rest not handled) if one claims another rank."""
         machine = self._machine
+        link = self._links.get(rank)
         for message in batch:
+            if link is not None and link.aborting:
+                return  # being let go: what it says no longer counts
             claimed = getattr(message, "rank", rank)
             if claimed != rank:
                 raise ProtocolError(
@@ -265,6 +286,8 @@ class Coordinator:
                     while link.pending:
                         batch, link.pending = link.pending, []
                         await channel.send_many(batch)
+                    if link.aborting:
+                        link.scope.cancel()  # its Abort is sent
                 finally:
                     link.writer_busy = False
         except _CONNECTION_ERRORS as err:
@@ -342,7 +365,17 @@ class Coordinator:
             elif isinstance(effect, Disconnect):
                 link = self._links.get(effect.rank)
                 if link is not None:
-                    link.scope.cancel()
+                    self._let_go(link, effect.reason)
+
+    def _let_go(self, link: _RankLink, reason: str) -> None:
+        """Tell ``link``'s rank why it is let go (``Abort``, best effort), then end its
+        connection: once the Abort is written, or after :data:`ABORT_GRACE` seconds."""
+        if link.closed or link.aborting or link.scope.cancel_called:
+            return
+        self._enqueue(link, Abort(reason=reason[:MAX_TEXT]))
+        link.aborting = True
+        # Written by _flush or the writer, which then end the link; this bounds the wait.
+        link.scope.deadline = min(link.scope.deadline, trio.current_time() + ABORT_GRACE)
 
     def _after_effects(self) -> None:
         """Write what the effects queued, notice the end of the run, and pull the deadline
@@ -359,7 +392,7 @@ class Coordinator:
 
     def _enqueue(self, link: _RankLink, message: _Outgoing) -> None:
         """Queue ``message`` for ``link``'s rank (written by :meth:`_flush` or the writer)."""
-        if link.closed:
+        if link.closed or link.aborting:
             return
         pending = link.pending
         if len(pending) >= OUTBOX_LIMIT:
@@ -384,6 +417,8 @@ class Coordinator:
             batch, link.pending = link.pending, []
             try:
                 if link.channel.send_nowait(batch):
+                    if link.aborting:
+                        link.scope.cancel()  # its Abort is sent
                     continue
             except trio.WouldBlock:
                 link.pending[:0] = batch  # not sent: the writer sends it, in order

@@ -180,7 +180,8 @@ async def _supervise(
     """Relay output until the process exits; tell the coordinator; restart a failed rank.
 
     A rank whose process fails while the run goes on is started again (up to
-    ``config.restarts`` times); the new process rejoins the group at the next round.
+    ``config.restarts`` times); the new process rejoins the group at the next round, or joins
+    the world if it died before the run started (the coordinator waits for it then).
     """
     log = config.run_dir / f"rank{spawned.rank}.log"
     for _life in range(config.restarts + 1):
@@ -192,9 +193,11 @@ async def _supervise(
         spawned.exit_code = code
         spawned.exited_unix = time.time()
         spawned.exits.append((code, spawned.exited_unix))
-        coordinator.report_exit(spawned.rank, code)
-        finished = coordinator.machine.finished
-        if code == 0 or finished or spawned.restarts >= config.restarts:
+        restarting = code != 0 and spawned.restarts < config.restarts
+        for notice in coordinator.report_exit(spawned.rank, code, restarting=restarting):
+            if config.echo:
+                say(f"flodl: {notice}")
+        if not restarting or coordinator.machine.finished:
             return
         spawned.restarts += 1
         spawned.process = await restart(spawned.rank)

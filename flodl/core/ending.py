@@ -6,7 +6,9 @@ in the middle of a collective, so it waits until the round settles (:attr:`Endin
 A run that cannot go on (too many failures or too few survivors, see
 :meth:`Ending.unrecoverable`; a stalled average; no group could be formed) or a stop with a
 save is *saved*: ``ShutdownWithSave`` goes out at once to every rank still connected, whatever
-it is doing. A run whose world never formed *fails*. Pure: no clocks, no I/O.
+it is doing. A run whose world never formed *fails*: every rank still connected gets
+``Abort`` with the reason, so no rank's script takes the end for a completed run. Pure: no
+clocks, no I/O.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from flodl.core.effects import Broadcast
 from flodl.core.liveness import Liveness, unrecoverable_reason
 from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
-from flodl.wire.messages import SaveReason, Shutdown, ShutdownWithSave
+from flodl.wire.fields import MAX_TEXT
+from flodl.wire.messages import Abort, SaveReason, Shutdown, ShutdownWithSave
 
 __all__ = ["Ending", "Outcome", "Status"]
 
@@ -90,7 +93,7 @@ class Ending:
         return [Broadcast(Shutdown())]
 
     def fail(self, now: float, why: str) -> list[Broadcast]:
-        """End a run that could not start."""
+        """End a run that could not start: ``Abort(why)`` to every rank connected."""
         self.outcome = Outcome(Status.FAILED, None, why)
         self._timeline.add(now, EventKind.SHUTDOWN, why=why)
-        return [Broadcast(Shutdown())]
+        return [Broadcast(Abort(reason=why[:MAX_TEXT]))]

@@ -12,11 +12,12 @@ time and performs the effects it returns; the machine never waits, sleeps or sen
 every rule testable with plain calls, and lets one process simulate thousands of ranks.
 
 Lifecycle (:class:`RunPhase`): JOINING (every rank connects and sends
-:class:`~flodl.wire.messages.Ready`) -> FORMING (generation 0 of the group: RequestNewGroup /
-NewGroupReady / NewGroupSession) -> TRAINING (windows of ElChe counts; a round averages them)
-<-> REFORMING (after a death the survivors form the next generation, then redo the interrupted
-round) -> FINISHED (all epochs done, the final checkpoint saved and Shutdown sent, or a
-ShutdownWithSave because the run cannot go on).
+:class:`~flodl.wire.messages.Ready`; a rank whose process dies first is waited for when it is
+restarted, else the run starts without it while enough ranks remain) -> FORMING (generation 0
+of the group: RequestNewGroup / NewGroupReady / NewGroupSession) -> TRAINING (windows of ElChe
+counts; a round averages them) <-> REFORMING (after a death the survivors form the next
+generation, then redo the interrupted round) -> FINISHED (all epochs done, the final
+checkpoint saved and Shutdown sent, or a ShutdownWithSave because the run cannot go on).
 
 Work protocol (what ranks must do, see also :mod:`flodl.core.partitions`): a rank works through
 the sample ranges it is given (StartEpoch, ExtendPartition) in order, one ``Batch`` report per
@@ -37,13 +38,15 @@ import attrs
 from flodl.core.effects import Broadcast, Send
 from flodl.core.elche import ElChe
 from flodl.core.ending import Ending, Outcome, Status
-from flodl.core.liveness import Liveness, LossCause, RankLost
+from flodl.core.liveness import Liveness, LossCause, RankLost, unrecoverable_reason
 from flodl.core.membership import Membership
 from flodl.core.rendezvous import Rendezvous
 from flodl.core.rounds import Due, ResumeState, Rounds
 from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
+from flodl.wire.fields import MAX_TEXT
 from flodl.wire.messages import (
+    Abort,
     Batch,
     CheckpointResult,
     DeclareDead,
@@ -218,7 +221,10 @@ class CoordinatorMachine:
     def on_connect(self, rank: int, now: float) -> list[Effect]:
         """``rank`` completed its handshake."""
         if self.finished:
-            return [Send(rank, Shutdown())]
+            outcome = self.outcome
+            if outcome.status is Status.COMPLETED:
+                return [Send(rank, Shutdown())]
+            return [Send(rank, Abort(reason=f"the run has ended: {outcome.message}"[:MAX_TEXT]))]
         self.liveness.admit(rank, now)
         self.stats[rank].joined_at = now
         self.timeline.add(now, EventKind.RANK_JOINED, rank=rank)
@@ -229,14 +235,14 @@ class CoordinatorMachine:
         self.membership.forget(rank)
         return self._lose(rank, now, reason)
 
-    def on_exit_reported(self, rank: int, returncode: int, now: float) -> list[Effect]:
-        """The launcher saw ``rank``'s process exit."""
+    def on_exit_reported(
+        self, rank: int, returncode: int, now: float, *, restarting: bool = False
+    ) -> list[Effect]:
+        """The launcher saw ``rank``'s process exit; ``restarting``: it starts it again."""
         if self.finished or (returncode == 0 and self.liveness.is_exiting(rank)):
             return []
         if self.phase is RunPhase.JOINING:
-            # The world cannot form without this rank: stop now instead of at the join timeout.
-            why = f"rank {rank} exited with code {returncode} before joining"
-            return list(self.ending.fail(now, why))
+            return self._died_joining(rank, f"exited with code {returncode}", now, restarting)
         return self._lose(rank, now, f"process exited with code {returncode}")
 
     def request_stop(self, now: float, save: bool = True) -> list[Effect]:
@@ -324,10 +330,56 @@ class CoordinatorMachine:
         refused = self.membership.join(rank, ready)
         if refused is not None:
             return [Disconnect(rank, refused)]
+        return self._form_if_joined(now)
+
+    def _form_if_joined(self, now: float) -> list[Effect]:
+        """Every rank the run waits for has joined: form generation 0 with them."""
         if not self.membership.all_joined(self.alive):
             return []
         self._phase = RunPhase.FORMING
-        return self._regroup(self.rendezvous.form_initial(now), now)
+        ranks = sorted(self.membership.expected())
+        return self._regroup(self.rendezvous.form_initial(now, ranks), now)
+
+    def _died_joining(self, rank: int, how: str, now: float, restarting: bool) -> list[Effect]:
+        """``rank``'s process died before the world joined: a death like any other. Restarted,
+        it is waited for; else the run starts without it while enough ranks remain (a world
+        whose every rank died unjoined has a broken script: it ends at once)."""
+        membership = self.membership
+        why = f"rank {rank} {how} before joining"
+        if self.liveness.is_alive(rank):
+            self._lose(rank, now, why)  # the connection's end is not read yet
+        if rank in membership.left:
+            membership.left.discard(rank)  # its death was recorded when it hung up
+        else:
+            self.stats[rank].lost_at = now
+            self.timeline.add(now, EventKind.RANK_DEAD, rank=rank, cause="exited", why=why)
+        membership.died.add(rank)
+        if membership.all_died_unjoined():
+            return list(self.ending.fail(now, why))
+        if restarting:
+            return []
+        membership.give_up(rank)
+        short = self._too_few(len(membership.expected()))
+        if short is not None:
+            return list(self.ending.fail(now, f"{why}; {short}"))
+        remaining = sorted(membership.expected())
+        self.timeline.add(now, EventKind.GOING_ON_WITHOUT, rank=rank, why=why, ranks=remaining)
+        return self._form_if_joined(now)
+
+    def _too_few(self, remaining: int) -> str | None:
+        """Why a run cannot start with ``remaining`` ranks, or None (min_ranks, else the
+        survivor rules)."""
+        settings = self.settings
+        if settings.min_ranks is not None and remaining < settings.min_ranks:
+            return f"{remaining} ranks remain, fewer than min_ranks {settings.min_ranks}"
+        reason = unrecoverable_reason(
+            world_size=self.world_size,
+            alive=remaining,
+            failures=len(self.membership.died),
+            max_failure=settings.max_failure,
+            collective=settings.collective and settings.min_ranks is None,
+        )
+        return None if reason is None else f"{remaining} ranks remain ({reason.name})"
 
     def _eligible(self) -> frozenset[int]:
         forming = self.phase is RunPhase.FORMING
@@ -450,6 +502,7 @@ class CoordinatorMachine:
                 now, EventKind.RANK_DEAD, rank=loss.rank, cause=loss.cause.value, why=why
             )
         if self.phase is RunPhase.JOINING:
+            self.membership.left.update(loss.rank for loss in losses)
             return effects
         self.membership.drop_joiners(loss.rank for loss in losses)
         lost = [loss.rank for loss in losses if loss.rank in self.membership.member_set]

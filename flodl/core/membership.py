@@ -1,7 +1,9 @@
 """Who trains: the job the ranks agreed on, the members of the group, the ranks waiting to join.
 
 A run starts when every rank has said ``Ready`` with the same job before the join deadline;
-a rank that describes a job that cannot run, or another job than the others, is refused.
+a rank that describes a job that cannot run, or another job than the others, is refused. A
+rank whose process died before that and will not be started again is *gone*: the run starts
+with the others (:meth:`Membership.give_up`; whether enough remain is the machine's call).
 Once training, a rank that (re)connects with the run's job and is not a member waits as a
 *joiner* until the next round grows the group. :class:`Membership` decides those admissions,
 which ranks may be in the next group (alive, and members or joiners once training), and when
@@ -36,6 +38,12 @@ class Membership:
         self.joiners: set[int] = set()
         """Ranks that reconnected after a death and wait for the next round to rejoin."""
         self._ready: set[int] = set()
+        self.gone: set[int] = set()
+        """Ranks that died before the world joined and are not coming back."""
+        self.died: set[int] = set()
+        """Ranks whose process died (at least once) before the world joined."""
+        self.left: set[int] = set()
+        """Ranks whose connection ended while joining (the death was recorded then)."""
         self._adopted: int | None = None
         """The generation the members were taken from."""
 
@@ -53,15 +61,30 @@ class Membership:
         return None
 
     def all_joined(self, alive: frozenset[int]) -> bool:
-        """Every rank is alive and ready: the join deadline no longer applies."""
-        if len(self._ready & alive) < self.world_size:
+        """Every rank that is not gone is alive and ready (and one is): the join deadline no
+        longer applies."""
+        expected = self.expected()
+        if not expected or not expected <= self._ready & alive:
             return False
         self.join_deadline = None
         return True
 
+    def expected(self) -> frozenset[int]:
+        """The ranks the run waits for: every rank but the gone ones."""
+        return frozenset(range(self.world_size)) - self.gone
+
+    def give_up(self, rank: int) -> None:
+        """``rank`` died before the world joined and is not coming back."""
+        self.gone.add(rank)
+        self._ready.discard(rank)
+
+    def all_died_unjoined(self) -> bool:
+        """Every rank died before joining and none is ready: the script fails at start."""
+        return len(self.died) == self.world_size and not self._ready
+
     def missing(self) -> list[int]:
-        """The ranks that have not said Ready, ascending."""
-        return sorted(set(range(self.world_size)) - self._ready)
+        """The ranks that have not said Ready (the gone ones aside), ascending."""
+        return sorted(self.expected() - self._ready)
 
     def rejoin(self, rank: int, ready: Ready) -> str | None:
         """``rank`` (re)connected to the running job; why it is refused, or None (a joiner)."""

@@ -82,3 +82,6 @@ class MachineSettings:
     """Failures that end the run with a save (None: only the backend's limits)."""
     collective: bool
     """True for gloo/nccl groups: fewer than 2 survivors cannot average (SingleSurvivor)."""
+    min_ranks: int | None
+    """Ranks dying before the world joined: the run starts without them while at least this
+    many can still join (None: the SingleSurvivor rule, 2 for a collective group, else 1)."""

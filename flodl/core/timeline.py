@@ -23,6 +23,8 @@ class EventKind(enum.Enum):
     SAVE_REQUESTED = "SaveRequested"
     EPOCH_AGGREGATED = "EpochAggregated"
     SHUTDOWN = "Shutdown"
+    GOING_ON_WITHOUT = "GoingOnWithout"
+    """A rank died before the world joined: the run starts with the ranks that remain."""
 
 
 @attrs.frozen

@@ -1,0 +1,196 @@
+"""Deaths while the world joins (the coordinator machine's JOINING phase), pure.
+
+A rank whose process dies before the run started is a death like any other: restarted, it is
+waited for; not restarted, the run starts with the others while enough remain (``min_ranks``,
+else the SingleSurvivor rule), and otherwise fails, telling every connected rank why
+(``Abort``). A world whose every rank died unjoined has a broken script: it ends at once.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from flodl.config import CoordinatorConfig
+from flodl.core.effects import Broadcast, Send
+from flodl.core.ending import Ending
+from flodl.core.machine import CoordinatorMachine, Disconnect, Effect, RunPhase, Status
+from flodl.core.timeline import EventKind
+from flodl.wire.messages import Abort, Ready, RequestNewGroup, Shutdown
+
+SETTINGS = CoordinatorConfig().machine_settings()
+
+
+def machine(world: int, *, min_ranks: int | None = None) -> CoordinatorMachine:
+    settings = attrs.evolve(SETTINGS, min_ranks=min_ranks)
+    return CoordinatorMachine(world, settings, now=0.0, join_timeout=60.0)
+
+
+def phase(m: CoordinatorMachine) -> RunPhase:
+    """The machine's phase, read afresh (mypy narrows ``m.phase`` across calls otherwise)."""
+    return m.phase
+
+
+def ready(rank: int, batch_size: int = 8) -> Ready:
+    return Ready(rank=rank, dataset_size=64, batch_size=batch_size, epochs=1)
+
+
+def join(m: CoordinatorMachine, rank: int, now: float = 1.0) -> list[Effect]:
+    assert m.on_connect(rank, now) == []
+    return m.on_message(rank, ready(rank), now)
+
+
+def aborts(effects: list[Effect]) -> list[str]:
+    return [
+        e.message.reason
+        for e in effects
+        if isinstance(e, Broadcast | Send) and isinstance(e.message, Abort)
+    ]
+
+
+def group_request(effects: list[Effect]) -> RequestNewGroup:
+    (request,) = [
+        e.message
+        for e in effects
+        if isinstance(e, Send | Broadcast) and isinstance(e.message, RequestNewGroup)
+    ]
+    return request
+
+
+def test_without_a_restart_the_run_starts_with_the_ranks_that_remain() -> None:
+    m = machine(3)
+    join(m, 0)
+    assert m.on_exit_reported(1, -9, 2.0) == []  # rank 2 has not joined yet
+    assert m.phase is RunPhase.JOINING
+    (going_on,) = m.timeline.of_kind(EventKind.GOING_ON_WITHOUT)
+    assert going_on.detail == {
+        "rank": 1,
+        "why": "rank 1 exited with code -9 before joining",
+        "ranks": [0, 2],
+    }
+    (death,) = m.timeline.of_kind(EventKind.RANK_DEAD)
+    assert (death.detail["rank"], death.detail["cause"]) == (1, "exited")
+    assert m.membership.missing() == [2]
+    effects = join(m, 2, 3.0)
+    assert phase(m) is RunPhase.FORMING
+    assert group_request(effects).world_size == 2  # generation 0 of ranks 0 and 2
+    assert m.stats[1].lost_at == 2.0
+
+
+def test_the_last_rank_to_join_may_be_the_one_that_died() -> None:
+    m = machine(3)
+    join(m, 0)
+    join(m, 2)
+    effects = m.on_exit_reported(1, 1, 2.0)
+    assert phase(m) is RunPhase.FORMING
+    assert group_request(effects).world_size == 2
+
+
+def test_a_rank_that_joined_then_died_is_one_death() -> None:
+    m = machine(3)
+    join(m, 0)
+    join(m, 1)
+    assert m.on_disconnect(1, 2.0, "connection closed") == []
+    assert m.on_exit_reported(1, -9, 2.5) == []
+    assert len(m.timeline.of_kind(EventKind.RANK_DEAD)) == 1
+    assert m.membership.missing() == [2]
+    assert m.phase is RunPhase.JOINING
+
+
+def test_by_default_a_collective_needs_two_ranks_so_a_world_of_two_fails() -> None:
+    m = machine(2)
+    join(m, 0)
+    effects = m.on_exit_reported(1, 3, 2.0)
+    why = "rank 1 exited with code 3 before joining; 1 ranks remain (SINGLE_SURVIVOR)"
+    assert aborts(effects) == [why]
+    assert (m.outcome.status, m.outcome.message) == (Status.FAILED, why)
+    assert effects == [Broadcast(Abort(reason=why))]  # to every rank connected
+
+
+def test_min_ranks_above_the_ranks_that_remain_ends_the_run() -> None:
+    m = machine(3, min_ranks=3)
+    join(m, 0)
+    join(m, 2)
+    effects = m.on_exit_reported(1, -9, 2.0)
+    why = "rank 1 exited with code -9 before joining; 2 ranks remain, fewer than min_ranks 3"
+    assert aborts(effects) == [why] and m.outcome.status is Status.FAILED
+    assert not m.timeline.of_kind(EventKind.GOING_ON_WITHOUT)
+
+
+def test_min_ranks_at_or_below_the_ranks_that_remain_goes_on() -> None:
+    m = machine(4, min_ranks=2)
+    join(m, 0)
+    join(m, 1)
+    assert m.on_exit_reported(2, -9, 2.0) == []
+    effects = m.on_exit_reported(3, -9, 2.5)
+    assert phase(m) is RunPhase.FORMING and not aborts(effects)
+    assert group_request(effects).world_size == 2
+    assert len(m.timeline.of_kind(EventKind.GOING_ON_WITHOUT)) == 2
+
+
+def test_a_restarted_rank_is_waited_for_and_joins_the_world() -> None:
+    m = machine(2)
+    join(m, 0)
+    assert m.on_exit_reported(1, -9, 2.0, restarting=True) == []
+    assert m.phase is RunPhase.JOINING and not m.finished
+    assert m.membership.missing() == [1]
+    assert not m.timeline.of_kind(EventKind.GOING_ON_WITHOUT)
+    effects = join(m, 1, 4.0)
+    assert phase(m) is RunPhase.FORMING
+    assert group_request(effects).world_size == 2
+
+
+def test_every_rank_dying_unjoined_ends_the_run_at_once_even_with_restarts() -> None:
+    m = machine(3)
+    assert m.on_exit_reported(0, 3, 1.0, restarting=True) == []
+    assert m.on_exit_reported(1, 3, 1.1, restarting=True) == []
+    effects = m.on_exit_reported(2, 3, 1.2, restarting=True)
+    assert m.outcome.status is Status.FAILED
+    assert m.outcome.message == "rank 2 exited with code 3 before joining"
+    assert aborts(effects) == ["rank 2 exited with code 3 before joining"]
+
+
+def test_a_refused_rank_is_disconnected_with_the_reason() -> None:
+    m = machine(2)
+    join(m, 0)
+    m.on_connect(1, 1.0)
+    (refused,) = m.on_message(1, ready(1, batch_size=4), 1.0)
+    assert isinstance(refused, Disconnect) and refused.rank == 1
+    assert refused.reason.startswith("rank 1 describes job Job(")
+
+
+def test_the_join_deadline_aborts_every_rank_connected() -> None:
+    m = machine(2)
+    join(m, 0)
+    effects = m.on_tick(61.0)
+    assert effects == [Broadcast(Abort(reason="ranks [1] did not join in time"))]
+    assert m.outcome.status is Status.FAILED
+
+
+def test_a_rank_connecting_after_the_run_failed_is_told_why() -> None:
+    m = machine(2)
+    join(m, 0)
+    m.on_exit_reported(1, 3, 2.0)
+    (sent,) = m.on_connect(1, 3.0)
+    assert isinstance(sent, Send) and isinstance(sent.message, Abort)
+    assert sent.message.reason.startswith("the run has ended: rank 1 exited with code 3")
+
+
+def test_a_rank_connecting_after_the_run_completed_is_shut_down() -> None:
+    m = machine(2)
+    join(m, 0)
+    join(m, 1)
+    m.request_stop(2.0, save=False)
+    assert m.outcome.status is Status.COMPLETED
+    m.on_disconnect(1, 2.5)
+    assert m.on_connect(1, 3.0) == [Send(1, Shutdown())]
+
+
+def test_ending_fail_broadcasts_abort_with_the_reason() -> None:
+    m = machine(2)
+    ending: Ending = m.ending
+    assert ending.fail(5.0, "no luck") == [Broadcast(Abort(reason="no luck"))]
+    assert (m.outcome.status, m.outcome.message) == (Status.FAILED, "no luck")
+    long = "x" * 5000
+    m2 = machine(2)
+    (broadcast,) = m2.ending.fail(5.0, long)
+    assert isinstance(broadcast.message, Abort) and len(broadcast.message.reason) == 4096
