@@ -151,14 +151,11 @@ class Coordinator:
         timeline, now = self._machine.timeline, trio.current_time()
         before = len(timeline)
         self._perform(self._machine.on_exit_reported(rank, returncode, now, restarting=restarting))
-        notices = [
+        return [
             f"{event.detail['why']}; the run goes on with ranks {event.detail['ranks']}"
             for event in list(timeline)[before:]
             if event.kind is EventKind.GOING_ON_WITHOUT
         ]
-        for notice in notices:
-            log.warning("%s", notice)
-        return notices
 
     def request_stop(self, save: bool = True) -> None:
         """End the run: save first (ShutdownWithSave(GRACEFUL)) or just shut down."""
