@@ -23,7 +23,7 @@ from flodl.core.liveness import Liveness, unrecoverable_reason
 from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
 from flodl.wire.fields import MAX_TEXT
-from flodl.wire.messages import Abort, SaveReason, Shutdown, ShutdownWithSave
+from flodl.wire.messages import Abort, Message, SaveReason, Shutdown, ShutdownWithSave
 
 __all__ = ["Ending", "Outcome", "Status"]
 
@@ -91,6 +91,13 @@ class Ending:
         self.outcome = Outcome(Status.COMPLETED, None, why)
         self._timeline.add(now, EventKind.SHUTDOWN, why=why)
         return [Broadcast(Shutdown())]
+
+    def farewell(self) -> Message:
+        """What a rank that connects after the end is sent: Shutdown after a completed run,
+        else Abort saying how the run ended."""
+        if self.outcome.status is Status.COMPLETED:
+            return Shutdown()
+        return Abort(reason=f"the run has ended: {self.outcome.message}"[:MAX_TEXT])
 
     def fail(self, now: float, why: str) -> list[Broadcast]:
         """End a run that could not start: ``Abort(why)`` to every rank connected."""

@@ -38,15 +38,13 @@ import attrs
 from flodl.core.effects import Broadcast, Send
 from flodl.core.elche import ElChe
 from flodl.core.ending import Ending, Outcome, Status
-from flodl.core.liveness import Liveness, LossCause, RankLost, unrecoverable_reason
+from flodl.core.liveness import Liveness, LossCause, RankLost
 from flodl.core.membership import Membership
 from flodl.core.rendezvous import Rendezvous
 from flodl.core.rounds import Due, ResumeState, Rounds
 from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
-from flodl.wire.fields import MAX_TEXT
 from flodl.wire.messages import (
-    Abort,
     Batch,
     CheckpointResult,
     DeclareDead,
@@ -61,7 +59,6 @@ from flodl.wire.messages import (
     Note,
     Ready,
     SaveReason,
-    Shutdown,
     ShutdownWithSave,
     SyncAck,
 )
@@ -221,10 +218,7 @@ class CoordinatorMachine:
     def on_connect(self, rank: int, now: float) -> list[Effect]:
         """``rank`` completed its handshake."""
         if self.finished:
-            outcome = self.outcome
-            if outcome.status is Status.COMPLETED:
-                return [Send(rank, Shutdown())]
-            return [Send(rank, Abort(reason=f"the run has ended: {outcome.message}"[:MAX_TEXT]))]
+            return [Send(rank, self.ending.farewell())]
         self.liveness.admit(rank, now)
         self.stats[rank].joined_at = now
         self.timeline.add(now, EventKind.RANK_JOINED, rank=rank)
@@ -341,45 +335,21 @@ class CoordinatorMachine:
         return self._regroup(self.rendezvous.form_initial(now, ranks), now)
 
     def _died_joining(self, rank: int, how: str, now: float, restarting: bool) -> list[Effect]:
-        """``rank``'s process died before the world joined: a death like any other. Restarted,
-        it is waited for; else the run starts without it while enough ranks remain (a world
-        whose every rank died unjoined has a broken script: it ends at once)."""
-        membership = self.membership
+        """``rank``'s process died before the world joined (:meth:`Membership.died_joining`)."""
         why = f"rank {rank} {how} before joining"
         if self.liveness.is_alive(rank):
             self._lose(rank, now, why)  # the connection's end is not read yet
-        if rank in membership.left:
-            membership.left.discard(rank)  # its death was recorded when it hung up
-        else:
+        if rank not in self.membership.left:  # else recorded when it hung up
             self.stats[rank].lost_at = now
             self.timeline.add(now, EventKind.RANK_DEAD, rank=rank, cause="exited", why=why)
-        membership.died.add(rank)
-        if membership.all_died_unjoined():
-            return list(self.ending.fail(now, why))
+        fails = self.membership.died_joining(rank, restarting, self.settings)
+        if fails is not None:
+            return list(self.ending.fail(now, why + fails))
         if restarting:
             return []
-        membership.give_up(rank)
-        short = self._too_few(len(membership.expected()))
-        if short is not None:
-            return list(self.ending.fail(now, f"{why}; {short}"))
-        remaining = sorted(membership.expected())
+        remaining = sorted(self.membership.expected())
         self.timeline.add(now, EventKind.GOING_ON_WITHOUT, rank=rank, why=why, ranks=remaining)
         return self._form_if_joined(now)
-
-    def _too_few(self, remaining: int) -> str | None:
-        """Why a run cannot start with ``remaining`` ranks, or None (min_ranks, else the
-        survivor rules)."""
-        settings = self.settings
-        if settings.min_ranks is not None and remaining < settings.min_ranks:
-            return f"{remaining} ranks remain, fewer than min_ranks {settings.min_ranks}"
-        reason = unrecoverable_reason(
-            world_size=self.world_size,
-            alive=remaining,
-            failures=len(self.membership.died),
-            max_failure=settings.max_failure,
-            collective=settings.collective and settings.min_ranks is None,
-        )
-        return None if reason is None else f"{remaining} ranks remain ({reason.name})"
 
     def _eligible(self) -> frozenset[int]:
         forming = self.phase is RunPhase.FORMING

@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from flodl.core.job import Job
+from flodl.core.liveness import unrecoverable_reason
 from flodl.core.rendezvous import Rendezvous
+from flodl.core.settings import MachineSettings
 from flodl.wire.messages import Ready
 
 __all__ = ["Membership"]
@@ -73,14 +75,30 @@ class Membership:
         """The ranks the run waits for: every rank but the gone ones."""
         return frozenset(range(self.world_size)) - self.gone
 
-    def give_up(self, rank: int) -> None:
-        """``rank`` died before the world joined and is not coming back."""
+    def died_joining(self, rank: int, restarting: bool, settings: MachineSettings) -> str | None:
+        """``rank``'s process died before the world joined: a death like any other. Restarted,
+        it is waited for; else it is *gone*, and the run starts without it while enough ranks
+        remain. Returns why the run cannot start (appended to the death's own reason), or None.
+        A world whose every rank died unjoined has a broken script: it ends at once."""
+        self.left.discard(rank)
+        self.died.add(rank)
+        if len(self.died) == self.world_size and not self._ready:
+            return ""
+        if restarting:
+            return None
         self.gone.add(rank)
         self._ready.discard(rank)
-
-    def all_died_unjoined(self) -> bool:
-        """Every rank died before joining and none is ready: the script fails at start."""
-        return len(self.died) == self.world_size and not self._ready
+        remaining = len(self.expected())
+        if settings.min_ranks is not None and remaining < settings.min_ranks:
+            return f"; {remaining} ranks remain, fewer than min_ranks {settings.min_ranks}"
+        reason = unrecoverable_reason(
+            world_size=self.world_size,
+            alive=remaining,
+            failures=len(self.died),
+            max_failure=settings.max_failure,
+            collective=settings.collective and settings.min_ranks is None,
+        )
+        return None if reason is None else f"; {remaining} ranks remain ({reason.name})"
 
     def missing(self) -> list[int]:
         """The ranks that have not said Ready (the gone ones aside), ascending."""
