@@ -40,6 +40,7 @@ from flodl.core.rank_effects import (
     RankEffect,
     SaveAndStop,
     SaveCheckpoint,
+    SaveOnLoss,
     Send,
     Wait,
     Wake,
@@ -304,6 +305,8 @@ class ScriptedRank:
                 await self._perform(channel, machine.checkpoint_finished(step.request, 0.0, None))
             elif isinstance(step, SaveAndStop):
                 await self._perform(channel, machine.save_finished("simulated, nothing saved"))
+            elif isinstance(step, SaveOnLoss):
+                await self._perform(channel, machine.loss_save_finished("simulated, not saved"))
 
     async def _train_batch(self, channel: Channel, batch: BatchSlice) -> None:
         script = self.script

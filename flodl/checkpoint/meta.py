@@ -19,7 +19,10 @@ SCHEMA_VERSION = 3
 MANIFEST_KEY = "files"
 """Key of the bundle's file manifest inside ``<stem>.meta.json`` (not part of the meta itself)."""
 
-_SAVE_REASONS = frozenset(SaveReason.__members__)
+LOSS_REASON = "COORDINATOR_LOST"
+"""``save_reason`` of a bundle a rank saved on its own because its coordinator was lost."""
+
+_SAVE_REASONS = frozenset(SaveReason.__members__) | {LOSS_REASON}
 
 _COUNTERS = ("epoch", "global_step", "sync_round")
 
@@ -28,10 +31,10 @@ _COUNTERS = ("epoch", "global_step", "sync_round")
 class CheckpointMeta:
     """Where a run stood when it saved, and the coordinator state needed to resume it.
 
-    ``save_reason`` is a :class:`~flodl.wire.messages.SaveReason` name (None for a save that was
-    not asked for by a shutdown); ``elche_state`` and ``guard_state`` are the dicts of
-    :meth:`ElChe.state` and the guard's ``state()``; ``created_unix`` is the wall-clock time of
-    the save in seconds since the epoch.
+    ``save_reason`` is a :class:`~flodl.wire.messages.SaveReason` name, :data:`LOSS_REASON`, or
+    None for a save that was not asked for by a shutdown; ``elche_state`` and ``guard_state``
+    are the dicts of :meth:`ElChe.state` and the guard's ``state()``; ``created_unix`` is the
+    wall-clock time of the save in seconds since the epoch.
     """
 
     epoch: int

@@ -56,6 +56,7 @@ from flodl.core.rank_effects import (
     Reaction,
     SaveAndStop,
     SaveCheckpoint,
+    SaveOnLoss,
     Send,
     Wait,
     Wake,
@@ -326,6 +327,11 @@ class RankMachine:
             raise OutOfTurn("boundary() outside enter_boundary() / leave_boundary()")
         life = self.life
         state = life.state
+        if state is RankState.LOST and life.loss_save_due and self._step is None:
+            if self.batches > 0:
+                self._step = SaveOnLoss()
+                return [CancelRound(), self._step]
+            life.loss_save_due = False  # nothing trained: nothing to keep
         if state in (RankState.LOST, RankState.STOPPED, RankState.ABORTED):
             assert life.error is not None
             return [Raise(life.error)]
@@ -506,6 +512,13 @@ class RankMachine:
             rank=self.rank, version=request.version, elapsed_ms=elapsed_ms, error=error
         )
         return [Send(result)]
+
+    def loss_save_finished(self, outcome: str) -> list[RankEffect]:
+        """The bundle of :class:`SaveOnLoss` was written (``outcome`` says where, or why
+        not): the next boundary raises the loss, naming it."""
+        self._finish_step("loss_save_finished", SaveOnLoss)
+        self.life.saved_after_loss(outcome)
+        return []
 
     def save_finished(self, outcome: str) -> list[RankEffect]:
         """The bundle for ShutdownWithSave was written (``outcome`` says where, or why not):

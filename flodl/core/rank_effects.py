@@ -33,6 +33,7 @@ __all__ = [
     "Reaction",
     "SaveAndStop",
     "SaveCheckpoint",
+    "SaveOnLoss",
     "Send",
     "Wait",
     "Wake",
@@ -153,6 +154,12 @@ class SaveAndStop:
 
 
 @attrs.frozen
+class SaveOnLoss:
+    """The coordinator is lost: save this rank's own bundle before the loop is told
+    (``loss_save_finished``), so a run whose coordinator died keeps its training."""
+
+
+@attrs.frozen
 class Finish:
     """The run is over for this rank (goodbye sent): the training loop ends."""
 
@@ -165,5 +172,7 @@ class Raise:
     error: Exception
 
 
-BoundaryStep = HandOut | Wait | Average | Blend | SaveCheckpoint | SaveAndStop | Finish | Raise
+BoundaryStep = (
+    HandOut | Wait | Average | Blend | SaveCheckpoint | SaveAndStop | SaveOnLoss | Finish | Raise
+)
 RankEffect = Reaction | BoundaryStep

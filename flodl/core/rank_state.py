@@ -7,7 +7,7 @@ not allow is a typed error instead of a combination of flags nobody thought of::
     JOINED | TRAINING --shutdown--> ENDING --goodbye--> EXITED
     JOINED | TRAINING --shutdown_with_save--> SAVE_PENDING --start_save--> SAVING
                                                             --save_finished--> STOPPED
-    JOINED | TRAINING --lose--> LOST
+    JOINED | TRAINING --lose--> LOST  (the first boundary after saves the rank's own bundle)
     JOINED | TRAINING --abort--> ABORTED  (Abort: the coordinator let the rank go, no save)
 
 EXITED, STOPPED, LOST and ABORTED are terminal. Once a rank is ending it no longer needs the
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 
-from flodl.errors import FlodlError, OutOfTurn, RunAborted, ShutdownRequested
+from flodl.errors import CoordinatorError, FlodlError, OutOfTurn, RunAborted, ShutdownRequested
 from flodl.wire.messages import SaveReason
 
 __all__ = ["IGNORED", "MOVES", "TERMINAL", "Lifecycle", "Move", "RankState", "next_state"]
@@ -112,6 +112,8 @@ class Lifecycle:
         self.exit_reason: str | None = None
         self.save_reason: SaveReason | None = None
         """Why the coordinator asked to save and stop (ShutdownWithSave)."""
+        self.loss_save_due = False
+        """LOST with the rank's own bundle not saved yet (the next boundary saves it)."""
 
     def move(self, move: Move) -> None:
         self.state = next_state(self.state, move)
@@ -148,6 +150,7 @@ class Lifecycle:
             return False
         self.move(Move.LOSE)
         self.error = error
+        self.loss_save_due = True
         self.note_exit(f"coordinator_lost: {error}")
         return True
 
@@ -160,6 +163,12 @@ class Lifecycle:
         self.error = RunAborted(f"the coordinator ended this rank's run: {reason}")
         self.note_exit(f"aborted: {reason}")
         return True
+
+    def saved_after_loss(self, outcome: str) -> None:
+        """The bundle saved because the coordinator is lost was written (or not: ``outcome``
+        says): the error later boundaries raise says so."""
+        self.loss_save_due = False
+        self.error = CoordinatorError(f"{self.error}; {outcome}")
 
     def shut_down(self, reason: SaveReason | None) -> bool:
         """Shutdown (``reason`` None) or ShutdownWithSave arrived; False when already ending."""

@@ -44,6 +44,7 @@ from flodl.core.rank_effects import (
     RankEffect,
     SaveAndStop,
     SaveCheckpoint,
+    SaveOnLoss,
     Send,
     Wait,
     Wake,
@@ -330,9 +331,10 @@ class Worker:
                 after = await self._saver.checkpoint(step.request)
             elif isinstance(step, SaveAndStop):
                 after = await self._saver.save_and_stop(step.reason)
+            elif isinstance(step, SaveOnLoss):
+                after = await self._saver.save_on_loss()
             self._perform(after)
             await self._outbox.flush()
-            machine.life.raise_if_lost()
 
     # --- lifecycle --------------------------------------------------------------------------
 

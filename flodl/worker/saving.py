@@ -7,11 +7,13 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from flodl.checkpoint.meta import LOSS_REASON
 from flodl.core.rank import RankMachine
 from flodl.core.rank_effects import RankEffect
 from flodl.errors import CheckpointError
 from flodl.wire.messages import Checkpoint
 from flodl.worker.persist import SavePoint, save_rank_bundle
+from flodl.worker.records import record_death
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +78,25 @@ class BundleSaver:
         elapsed_ms = (trio.current_time() - started) * 1000.0
         self.checkpoint_ms.append(elapsed_ms)
         return self._machine.checkpoint_finished(request, elapsed_ms, error)
+
+    async def save_on_loss(self) -> list[RankEffect]:
+        """The SaveOnLoss step: this rank's own bundle, as the coordinator is gone; the
+        outcome names the step it holds (the weights of the last round, plus the local
+        batches since)."""
+        machine = self._machine
+        held = (
+            f"global step {machine.global_step} as of the last round, plus "
+            f"{machine.since_average} local batches"
+        )
+        stem = f"flodl-step{machine.global_step:09d}-lost"
+        try:
+            path = await self.save(LOSS_REASON, stem=stem)
+        except CheckpointError as err:
+            return machine.loss_save_finished(f"could not save this rank's weights: {err}")
+        effects = machine.loss_save_finished(f"saved this rank's weights ({held}) to {path}")
+        why = str(machine.life.error)
+        record_death(self._run_dir, machine.rank, machine.world_size, why, str(path))
+        return effects
 
     async def save_and_stop(self, reason: str) -> list[RankEffect]:
         """The SaveAndStop step: the bundle (or why it failed); the machine's goodbye."""

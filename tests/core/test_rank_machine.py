@@ -30,6 +30,7 @@ from flodl.core.rank_effects import (
     Reaction,
     SaveAndStop,
     SaveCheckpoint,
+    SaveOnLoss,
     Send,
     Wait,
     Wake,
@@ -185,9 +186,10 @@ def drive_boundary(
             out.effects += machine.checkpoint_finished(step.request, 7.0, None)
         elif isinstance(step, SaveAndStop):
             out.effects += machine.save_finished(save_outcome)
+        elif isinstance(step, SaveOnLoss):
+            out.effects += machine.loss_save_finished(save_outcome)
         else:  # pragma: no cover - every step kind is handled above
             raise AssertionError(f"unknown step {step}")
-        machine.life.raise_if_lost()
     raise AssertionError("the boundary never settled")
 
 
@@ -690,11 +692,26 @@ def test_connection_lost_gives_up_and_every_later_boundary_raises_it() -> None:
     with pytest.raises(CoordinatorError):
         machine.life.raise_if_lost()
     machine.batch_done(0.5, 0.0, 1.0)  # never raises for a lost coordinator
+    # The first boundary saves the rank's own bundle, then raises the loss naming it.
+    machine.enter_boundary(2.0)
+    assert machine.boundary(2.0) == [CancelRound(), SaveOnLoss()]
+    assert machine.loss_save_finished("saved to /runs/r1/flodl-step0") == []
     for now in (2.0, 3.0):
-        assert next_batch(machine, now).effects == [Raise(error)]
+        (raised,) = machine.boundary(now)
+        assert isinstance(raised, Raise) and isinstance(raised.error, CoordinatorError)
+        assert str(raised.error) == "silent for 30 s; saved to /runs/r1/flodl-step0"
+    machine.leave_boundary(3.0)
     assert machine.connection_lost(CoordinatorError("again")) == []
-    assert machine.life.error is error
     assert machine.receive(SyncNow(round=1, generation=0)) == []
+
+
+def test_a_rank_that_trained_nothing_saves_nothing_when_the_coordinator_is_lost() -> None:
+    machine = new_machine()
+    machine.receive(epoch_work(0, 0, 20))
+    error = CoordinatorError("connection reset")
+    machine.connection_lost(error)
+    machine.enter_boundary(0.0)
+    assert machine.boundary(0.0) == [Raise(error)]
 
 
 def test_connection_lost_before_the_job_makes_announce_raise() -> None:

@@ -31,6 +31,7 @@ from flodl.core.rank_effects import (
     RankEffect,
     SaveAndStop,
     SaveCheckpoint,
+    SaveOnLoss,
     Send,
     Wait,
     Wake,
@@ -239,6 +240,8 @@ class Run:
                 self.perform(machine.checkpoint_finished(step.request, 3.0, None))
             elif isinstance(step, SaveAndStop):
                 self.perform(machine.save_finished("saved to /runs/bundle"))
+            elif isinstance(step, SaveOnLoss):
+                self.perform(machine.loss_save_finished("saved to /runs/own"))
             else:
                 raise AssertionError(f"unexpected step {step}")
         raise AssertionError("the boundary never settled")

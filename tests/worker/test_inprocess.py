@@ -302,10 +302,15 @@ async def test_a_rank_that_saved_leaves_its_death_record_beside_its_bundle(
                     await worker.next_batch()  # saves at this boundary, then loses the peer
     from flodl.checkpoint import load_bundle
 
+    # The boundary after the loss saved the rank's own weights; both bundles have the record.
     bundle = load_bundle(tmp_path / "checkpoints" / "rank0")
-    assert bundle.path.name == "flodl-step000000000-v000007"
+    assert bundle.path.name == "flodl-step000000000-lost"
+    assert bundle.meta.save_reason == "COORDINATOR_LOST"
     assert [d.rank for d in bundle.deaths] == [0]  # found by loading the bundle
     assert "lost the connection" in bundle.deaths[0].error
+    assert "saved this rank's weights (global step 0" in bundle.deaths[0].error
+    earlier = load_bundle(tmp_path / "checkpoints" / "rank0" / "flodl-step000000000-v000007")
+    assert [d.rank for d in earlier.deaths] == [0]
     assert not (tmp_path / "flodl.rank0.death.json").exists()
 
 
