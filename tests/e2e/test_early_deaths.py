@@ -79,7 +79,7 @@ async def _run(
         run_dir=tmp_path / "run",
         echo=False,
         restarts=restarts,
-        exit_grace=10.0,
+        exit_grace=60.0,  # ranks still importing torch when a run fails at once get to exit
         coordinator=CoordinatorConfig(min_ranks=min_ranks),
     )
     summary = await launch(config)
