@@ -7,6 +7,9 @@ Ranks save their own bundles under ``<run_dir>/checkpoints/rank<N>/`` (model + o
 round) is written beside them as ``<run_dir>/checkpoints/coordinator.meta.json`` when a run
 ends. ``flodl run --resume PATH`` reads both: every rank loads the same model bundle (the newest
 complete one, by global step), and the coordinator restores ElChe fitted to the new world size.
+A bundle newer than the coordinator's meta (ranks save their own when their coordinator dies,
+see :class:`~flodl.core.rank_effects.SaveOnLoss`) is resumed from its own meta: its epoch,
+global step and round, with ElChe calibrated afresh.
 """
 
 from __future__ import annotations
@@ -76,13 +79,16 @@ def plan_resume(path: Path) -> ResumePlan:
     # Newest first; among equals, the lowest rank (sorted order) wins.
     best_step = max(step for step, _ in bundles)
     bundle = next(p for step, p in bundles if step == best_step)
-    state = ResumeState()
     meta_path = base / COORDINATOR_META
-    if meta_path.exists():
-        try:
-            meta = CheckpointMeta.from_json(json.loads(meta_path.read_text()))
-        except (OSError, ValueError) as err:
-            raise CheckpointError(f"cannot read {meta_path}: {err}") from None
+    meta = _read_meta(meta_path) if meta_path.exists() else None
+    if meta is None or meta.global_step < best_step:
+        # The coordinator died before it could write its meta (or wrote it for an earlier
+        # point): the bundle's own meta says where the run stood; ElChe starts afresh.
+        meta = _read_meta(bundle.parent / f"{bundle.name}.meta.json")
+        state = ResumeState(
+            epoch=meta.epoch, global_step=meta.global_step, sync_round=meta.sync_round
+        )
+    else:
         state = ResumeState(
             epoch=meta.epoch,
             global_step=meta.global_step,
@@ -90,6 +96,13 @@ def plan_resume(path: Path) -> ResumePlan:
             elche_state=meta.elche_state,
         )
     return ResumePlan(bundle=bundle, state=state)
+
+
+def _read_meta(path: Path) -> CheckpointMeta:
+    try:
+        return CheckpointMeta.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from None
 
 
 def _global_step(stem_path: Path) -> int:

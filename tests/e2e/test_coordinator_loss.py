@@ -1,0 +1,110 @@
+"""Losing the coordinator loses nothing: when the launcher (and the coordinator in it) is
+SIGKILLed mid-run, each rank saves its own bundle, says where, and exits non-zero; a
+``flodl run --resume`` of that folder, with another number of ranks, continues from those
+bundles and reaches the accuracy target. No process is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.worker.procs import DIGITS
+
+pytestmark = pytest.mark.slow
+
+
+def _launch(run_dir: Path, nproc: int, *args: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "flodl.cli", "run", "--nproc", str(nproc)]
+    return subprocess.Popen(
+        [*argv, "--run-dir", str(run_dir), str(DIGITS), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _rank_pids(launcher: subprocess.Popen[str]) -> list[int]:
+    tasks = Path(f"/proc/{launcher.pid}/task")
+    return [int(p) for t in tasks.iterdir() for p in (t / "children").read_text().split()]
+
+
+def _live(groups: list[int]) -> list[int]:
+    """Processes, zombies aside, in any of the process groups ``groups``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) in groups:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_sigkilled_launcher_leaves_every_rank_saved_and_the_run_resumes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    launcher = _launch(run_dir, 3, "--epochs", "30")
+    watchdog = threading.Timer(120, lambda: os.killpg(launcher.pid, signal.SIGKILL))
+    watchdog.start()
+    try:
+        assert launcher.stdout is not None
+        seen = []
+        for line in launcher.stdout:
+            seen.append(line)
+            if "epoch 2 started" in line:
+                break
+        else:
+            raise AssertionError("".join(seen))
+        ranks = _rank_pids(launcher)
+        assert len(ranks) == 3
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.communicate()
+        deadline = time.monotonic() + 30  # the connection closes at once; the saves follow
+        while left := _live(ranks):
+            assert time.monotonic() < deadline, left
+            time.sleep(0.05)
+    finally:
+        watchdog.cancel()
+
+    from flodl.checkpoint import load_bundle
+
+    steps = set()
+    for rank in range(3):
+        bundle = load_bundle(run_dir / "checkpoints" / f"rank{rank}")
+        assert bundle.path.name.endswith("-lost"), bundle.path
+        assert bundle.meta.save_reason == "COORDINATOR_LOST"
+        assert bundle.meta.global_step > 0
+        steps.add(bundle.meta.global_step)
+        (death,) = bundle.deaths
+        assert "saved this rank's weights (global step" in death.error
+        report = json.loads((run_dir / f"rank{rank}.json").read_text())
+        assert report["exit_reason"].startswith("coordinator_lost:")
+        assert report["checkpoint"] == str(bundle.path)
+        # Its output went to the dead launcher; the death record beside the bundle tells.
+        assert "lost the connection to the coordinator" in death.error
+    assert not (run_dir / "checkpoints" / "coordinator.meta.json").exists()
+
+    resumed = subprocess.run(
+        [
+            *(sys.executable, "-m", "flodl.cli", "run", "--nproc", "2"),
+            *("--run-dir", str(run_dir), "--resume", str(run_dir), str(DIGITS), "--epochs", "6"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["resumed_from"]
+    assert summary["global_step"] > max(steps)
+    assert summary["final_metrics"]["test_accuracy"] >= 0.95, summary["epochs"]
+    assert not _live([r["pid"] for r in summary["ranks"]])
