@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -163,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     coord = commands.add_parser("coordinator", help="coordinate ranks that join from other hosts")
     coord.add_argument("--listen", required=True, metavar="URL", help="e.g. tcp://0.0.0.0:29400")
     coord.add_argument("--world-size", type=int, required=True)
+    coord.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path("runs/coordinator"),
+        help="where the coordinator writes summary.json (default: runs/coordinator)",
+    )
     _add_coordinator_options(coord)
 
     worker = commands.add_parser("worker", help="run SCRIPT as one rank of a remote coordinator")
@@ -228,22 +235,42 @@ def _check_url(flag: str, url: str) -> None:
 
 def _coordinator(args: argparse.Namespace) -> int:
     from flodl.coordinator import open_coordinator
-    from flodl.launcher_signals import coordinate
+    from flodl.failure_report import coordinator_summary, print_root_cause, write_summary
+    from flodl.launcher_signals import StopSignals, coordinate
 
     _check_url("--listen", args.listen)
     check_at_least("--world-size", args.world_size, 1)
     config = _coordinator_config(args)
     key = session_key_from_env()
+    stops = StopSignals()
+    summary: dict[str, object] = {}
 
     async def serve() -> tuple[str, int]:
         async with open_coordinator(
             args.listen, args.world_size, key, config, local_ranks=frozenset(), seed=args.seed
         ) as coordinator:
+            clocks = (time.time(), trio.current_time())
             print(f"flodl coordinator listening on {coordinator.url}", flush=True)
-            return await coordinate(coordinator)  # SIGINT/SIGTERM: every rank saves
+            try:
+                return await coordinate(coordinator, stops)  # SIGINT/SIGTERM: every rank saves
+            finally:  # what it knows, even when stopped at once
+                summary.update(
+                    coordinator_summary(
+                        coordinator.machine,
+                        stops,
+                        clocks,
+                        world_size=args.world_size,
+                        policy=config.policy.value,
+                        run_dir=args.run_dir,
+                    )
+                )
+                summary["wall_s"] = time.time() - clocks[0]
 
     line, status = trio.run(serve)
+    write_summary(args.run_dir / "summary.json", summary)
     print(line, flush=True)
+    print_root_cause(summary, sys.stdout)
+    print(f"  summary: {args.run_dir / 'summary.json'}", flush=True)
     return status
 
 

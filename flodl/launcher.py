@@ -38,6 +38,13 @@ from flodl.core.machine import Status
 from flodl.core.timeline import EventKind
 from flodl.environment import SESSION_KEY, RankEnv
 from flodl.errors import ConfigError
+from flodl.failure_report import (
+    ExitLog,
+    add_failure_report,
+    exit_text,
+    let_lost_ranks_exit,
+    print_root_cause,
+)
 from flodl.launcher_saves import account_saves
 from flodl.launcher_signals import StopSignals, kill_rank_groups, say, watch_signals
 from flodl.rundir import check_overwrite_and_resume, claim_run_dir, fresh_run_dir
@@ -105,6 +112,8 @@ class RankProcess:
     exits: list[tuple[int, float]] = attrs.field(factory=list)
     """Every exit of this rank's processes: (code, unix time); more than one after restarts."""
     restarts: int = 0
+    exit_log: ExitLog = attrs.field(factory=ExitLog)
+    """Each exit with its pid, and the processes the launcher killed (the failure report's)."""
 
 
 def write_session_key(run_dir: Path, key: bytes) -> Path:
@@ -193,6 +202,7 @@ async def _supervise(
         spawned.exit_code = code
         spawned.exited_unix = time.time()
         spawned.exits.append((code, spawned.exited_unix))
+        spawned.exit_log.exited(spawned.rank, process.pid, code, spawned.exited_unix)
         restarting = code != 0 and spawned.restarts < config.restarts
         for notice in coordinator.report_exit(spawned.rank, code, restarting=restarting):
             if config.echo:
@@ -217,6 +227,7 @@ def _kill_declared_dead(coordinator: Coordinator, spawned: Sequence[RankProcess]
             stats.lost_at is None or stats.joined_at > stats.lost_at
         )
         if stats.lost_at is not None and not rejoined and item.process.returncode is None:
+            item.exit_log.killing(item.process)
             item.process.kill()
 
 
@@ -291,6 +302,7 @@ async def _launch(
                     spawned.append(item)
                     nursery.start_soon(_supervise, item, coordinator, config, start_rank)
                 await coordinator.wait_finished()
+                await let_lost_ranks_exit(coordinator.machine, spawned)
                 _kill_declared_dead(coordinator, spawned)
                 with trio.move_on_after(config.exit_grace):
                     for item in spawned:
@@ -301,10 +313,11 @@ async def _launch(
             with trio.CancelScope(shield=True):
                 kill_rank_groups(spawned, exited_too=True)
                 for item in spawned:
-                    await item.process.wait()
+                    code = await item.process.wait()
                     if item.exit_code is None:
-                        item.exit_code = item.process.returncode
+                        item.exit_code = code
                         item.exited_unix = time.time()
+                        item.exit_log.exited(item.rank, item.process.pid, code, item.exited_unix)
         summary = build_summary(config, coordinator, spawned, (clock_unix, trio_start), stops)
         summary["wall_s"] = time.time() - started_unix
         summary["run_dir"] = str(run_dir)
@@ -388,7 +401,7 @@ def build_summary(
             }
         )
     outcome = machine.outcome
-    return {
+    summary = {
         "status": saves.status,
         "save_reason": None if outcome.save_reason is None else outcome.save_reason.name,
         "message": saves.message,
@@ -410,6 +423,9 @@ def build_summary(
         },
         "timeline_events": len(machine.timeline),
     }
+    logs = {item.rank: item.exit_log for item in spawned}
+    add_failure_report(summary, logs, machine, unix, config.run_dir, stops)
+    return summary
 
 
 def _read_json(path: Path, since: float) -> dict[str, Any]:
@@ -450,14 +466,16 @@ def print_summary(summary: dict[str, Any], stream: Any = None) -> None:
     print(f"\nflodl: run {status}" + (f" ({asked}: {reason})" if reason else ""), file=out)
     print(f"  {summary['message']}", file=out)
     print(
-        f"  {'rank':>4} {'batches':>8} {'syncs':>6} {'idle':>7} {'averaging':>10} {'exit':>5}",
+        f"  {'rank':>4} {'batches':>8} {'syncs':>6} {'idle':>7} {'averaging':>10} {'exit':>7}",
         file=out,
     )
     for rank in summary["ranks"]:
         idle, averaging = _percent(rank.get("idle_share")), _percent(rank.get("averaging_share"))
         print(
             f"  {rank['rank']:>4} {rank['batches'] or 0:>8} {rank['syncs'] or 0:>6} "
-            f"{idle:>7} {averaging:>10} {rank['exit_code']!s:>5}",
+            f"{idle:>7} {averaging:>10} {exit_text(rank['exit_code']):>7}"
+            + (f" (raised {rank['error'].split(':')[0]})" if rank.get("error") else "")
+            + (" (killed by flodl)" if rank.get("killed_by_launcher") else ""),
             file=out,
         )
     for death in summary["deaths"]:
@@ -471,6 +489,7 @@ def print_summary(summary: dict[str, Any], stream: Any = None) -> None:
             print(f"  rank {rank['rank']} saved {rank['bundle']}", file=out)
     for missing in (summary.get("saved") or {}).get("missing", []):
         print(f"  rank {missing['rank']} NOT saved: {missing['why']}", file=out)
+    print_root_cause(summary, out)
 
 
 def run_succeeded(summary: dict[str, Any]) -> bool:

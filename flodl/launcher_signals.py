@@ -74,6 +74,7 @@ def kill_rank_groups(spawned: Sequence[RankProcess], *, exited_too: bool = False
         process = item.process
         if process.returncode is not None and not exited_too:
             continue
+        item.exit_log.killing(process)  # a no-op for a process that has exited
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         if process.returncode is None:
@@ -113,11 +114,13 @@ async def watch_signals(
                 again()
 
 
-async def coordinate(coordinator: Coordinator) -> tuple[str, int]:
+async def coordinate(coordinator: Coordinator, stops: StopSignals | None = None) -> tuple[str, int]:
     """``flodl coordinator``: serve until the run ends, SIGINT/SIGTERM handled as by ``flodl
     run`` except that a second one stops the coordinator at once (its ranks, on other hosts,
-    then see it gone). Returns the line to print and the exit status."""
-    stops = StopSignals()
+    then see it gone). Returns the line to print and the exit status: 0 when the run completed
+    or was stopped on request (save_reason GRACEFUL), 1 when it did not complete; ``stops``
+    receives the signals."""
+    stops = StopSignals() if stops is None else stops
     async with trio.open_nursery() as nursery:
         says = ("stop at once", "stopping at once; ranks still saving lose their work")
         await nursery.start(watch_signals, coordinator, stops, nursery.cancel_scope.cancel, says)
@@ -132,6 +135,9 @@ async def coordinate(coordinator: Coordinator) -> tuple[str, int]:
         return (
             f"flodl: run stopped, every rank asked to save (save_reason "
             f"{outcome.save_reason.name}): {why}; each rank writes its bundle on its own host",
-            0,
+            0 if outcome.save_reason.name == "GRACEFUL" else 1,
         )
-    return f"flodl: run {outcome.status.value} {why}", 0
+    return (
+        f"flodl: run {outcome.status.value} {why}",
+        0 if outcome.status.value == "completed" else 1,
+    )
