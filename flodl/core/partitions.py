@@ -401,16 +401,18 @@ def plan_epoch(
 class ChunkPool:
     """Progressive dispatch of one epoch: whole batches from a cursor, on demand.
 
-    The epoch's ``n_samples`` positions are rounded down to whole batches; the leftover
-    tail of the order is not trained this epoch. The epoch is done when the cursor is
-    exhausted and every live rank finished what it was given.
+    The epoch's ``n_samples`` positions are cut into batches; when ``n_samples`` is not a
+    multiple of the batch size the last batch is shorter (nothing is dropped: every sample is
+    trained once per epoch). The epoch is done when the cursor is exhausted and every live rank
+    finished what it was given.
     """
 
     def __init__(self, epoch: int, n_samples: int, batch_size: int) -> None:
         if n_samples < 0:
             raise ConfigError(f"chunk pool: n_samples must be >= 0, got {n_samples}")
         self._ledger = EpochLedger(epoch, batch_size)
-        self._total_batches = n_samples // batch_size
+        self._n_samples = n_samples
+        self._total_batches = _batches_in(n_samples, batch_size)
         self._cursor = 0
 
     @property
@@ -455,7 +457,8 @@ class ChunkPool:
         if take == 0:
             return None
         bs = self._ledger.batch_size
-        span = Span(self._cursor * bs, take * bs)
+        start = self._cursor * bs
+        span = Span(start, min(take * bs, self._n_samples - start))
         self._cursor += take
         return self._ledger.assign(rank, span)
 

@@ -48,8 +48,9 @@ class Workload:
 
     @property
     def epoch_batches(self) -> int:
-        """Whole batches in one epoch (the tail that does not fill a batch is skipped)."""
-        return self.dataset_size // self.batch_size
+        """Batches in one epoch (the last one shorter when the batch size does not divide
+        the dataset)."""
+        return -(-self.dataset_size // self.batch_size)
 
     @property
     def current_epoch(self) -> int:

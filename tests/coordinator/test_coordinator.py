@@ -73,6 +73,19 @@ async def test_run_completes_and_every_sample_is_trained_once_per_epoch(
     assert [r["samples"] for r in results] == [3000, 3000]
 
 
+async def test_no_sample_is_dropped_when_the_dataset_is_not_a_multiple_of_the_batch(
+    autojump_clock: MockClock,
+) -> None:
+    """No drop-last: a span's last batch is shorter instead (docs/worker.md)."""
+    scripts = [RankScript(ms_per_batch=10), RankScript(ms_per_batch=30)]
+    async with open_cluster(scripts, dataset_size=997, batch_size=16, epochs=2) as cluster:
+        assert (await cluster.coordinator.wait_finished()).status is Status.COMPLETED
+        await cluster.wait_ranks_done()
+    samples = Counter(s for rank in cluster.ranks for s in rank.record.samples)
+    assert sorted(samples) == [(e, p) for e in range(2) for p in range(997)]
+    assert set(samples.values()) == {1}
+
+
 async def test_window_wait_completes_as_soon_as_completion_frames_arrive(
     autojump_clock: MockClock,
 ) -> None:
