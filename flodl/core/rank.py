@@ -176,11 +176,6 @@ class RankMachine:
         return 0 if self.work is None else self.work.epoch
 
     @property
-    def step(self) -> BoundaryStep | None:
-        """The boundary step handed to the shell and not reported finished yet."""
-        return self._step
-
-    @property
     def queued(self) -> int:
         """Messages waiting for the next batch boundary."""
         return len(self._inbox)

@@ -151,14 +151,13 @@ class RoundRunner:
         if pending is self._pending:
             self._perform(list(self._machine.background_landed()))
 
-    async def blend(self) -> list[RankEffect]:
-        """Blend the landed background round into the live tensors (the EASGD default alpha;
-        the average as it is when the machine's Blend step is ``exact``); its answer."""
+    async def blend(self, step: Blend) -> list[RankEffect]:
+        """The Blend step: the landed background round blended into the live tensors (the
+        EASGD default alpha; the average as it is when ``step.exact``); the machine's answer."""
         pending, sync = self._pending, self._pending_sync
         assert pending is not None and sync is not None
         self._pending = self._pending_sync = None
-        step = self._machine.step
-        alpha = 1.0 if isinstance(step, Blend) and step.exact else DEFAULT_ALPHA
+        alpha = 1.0 if step.exact else DEFAULT_ALPHA
         params, buffers = self._tensors()
         started = trio.current_time()
         result: AverageResult | None = None

@@ -326,7 +326,7 @@ class Worker:
             if isinstance(step, Average):
                 after = await self._rounds.average(step.sync, step.background, self._nursery)
             elif isinstance(step, Blend):
-                after = await self._rounds.blend()
+                after = await self._rounds.blend(step)
             elif isinstance(step, SaveCheckpoint):
                 after = await self._saver.checkpoint(step.request)
             elif isinstance(step, SaveAndStop):

@@ -35,12 +35,11 @@ def test_a_round_landing_after_the_last_batch_is_taken_exactly() -> None:
     started = drive_boundary(machine, 4.0)
     assert started.steps == [Average(last, background=True), Wait()]
     assert sent_of(started.effects, Metrics)  # out of work: its completion frame
-    assert machine.step is None and machine.since_average == 0
+    assert machine.since_average == 0
     assert machine.background_landed() == [Wake()]
     assert machine.boundary(4.5) == [Blend(last, exact=True)]
-    assert machine.step == Blend(last, exact=True)  # what the shell reads while blending
     (ack,) = sent_of(machine.blend_finished(FIGURES, 0.1), SyncAck)
-    assert ack.round == 3 and machine.step is None
+    assert ack.round == 3
     assert machine.boundary(4.6) == [Wait()]
     machine.leave_boundary(4.6)
     assert state_of(machine) is RankState.TRAINING

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.worker.procs import DIGITS
+from tests.worker.procs import DIGITS, live_in_groups
 
 pytestmark = pytest.mark.slow
 
@@ -208,22 +208,9 @@ def test_ranks_do_not_outlive_a_sigkilled_launcher(tmp_path: Path) -> None:
     os.kill(launcher.process.pid, signal.SIGKILL)
     launcher.finish()
     deadline = time.monotonic() + 30  # beyond the heartbeat timeout (10 s)
-    while left := _live_members(ranks):
+    while left := live_in_groups(ranks):
         assert time.monotonic() < deadline, left
         time.sleep(0.05)
-
-
-def _live_members(groups: list[int]) -> list[int]:
-    """Processes, zombies aside, in any of ``groups`` (an orphan's zombie waits on init)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) in groups:
-            found.append(int(stat.parent.name))
-    return found
 
 
 # --- flodl coordinator / flodl worker -------------------------------------------------------------
