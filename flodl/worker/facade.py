@@ -36,6 +36,7 @@ from flodl.wire.messages import EpochAggregated
 from flodl.worker.config import WorkerConfig
 from flodl.worker.runtime import Worker, open_worker
 from flodl.worker.signals import StopOnSignals
+from flodl.worker.streams import keep_output
 
 if TYPE_CHECKING:
     import torch
@@ -88,6 +89,7 @@ class Rank:
 
     def __enter__(self) -> Rank:
         """Connect and handshake; raises what the connection raised (e.g. CoordinatorError)."""
+        keep_output(self.config.run_dir / f"rank{self.config.rank}.log")
         thread = threading.Thread(
             target=self._thread_main, name=f"flodl-rank{self.config.rank}", daemon=True
         )

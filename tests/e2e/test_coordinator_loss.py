@@ -44,8 +44,8 @@ def test_a_sigkilled_launcher_leaves_every_rank_saved_and_the_run_resumes(tmp_pa
     watchdog.start()
     try:
         assert launcher.stdout is not None
-        # Killed once every rank has printed for this epoch: a rank printing after its
-        # launcher died would get BrokenPipeError in the script, before any boundary saves.
+        # Killed once every rank has printed for this epoch (any moment would do: a print
+        # after the launcher died goes to the rank's log, flodl/worker/streams.py).
         seen = []
         for line in launcher.stdout:
             seen.append(line)
@@ -66,27 +66,22 @@ def test_a_sigkilled_launcher_leaves_every_rank_saved_and_the_run_resumes(tmp_pa
 
     from flodl.checkpoint import load_bundle
 
-    # Every rank gave up on its coordinator. Most save their own bundle; under load one rank
-    # in about three runs leaves none (not yet explained: its output went to the dead
-    # launcher, so the cause is not in its log; a print failing with BrokenPipeError before
-    # the boundary is the suspect), so this asserts on the ranks that saved.
     steps = set()
     for rank in range(3):
-        report = json.loads((run_dir / f"rank{rank}.json").read_text())
-        assert report["exit_reason"].startswith("coordinator_lost:")
-        if report["checkpoint"] is None:
-            continue
         bundle = load_bundle(run_dir / "checkpoints" / f"rank{rank}")
-        assert report["checkpoint"] == str(bundle.path)
         assert bundle.path.name.endswith("-lost"), bundle.path
         assert bundle.meta.save_reason == "COORDINATOR_LOST"
         assert bundle.meta.global_step > 0
         steps.add(bundle.meta.global_step)
         (death,) = bundle.deaths
         assert "saved this rank's weights (global step" in death.error
-        # Its output went to the dead launcher; the death record beside the bundle tells.
+        report = json.loads((run_dir / f"rank{rank}.json").read_text())
+        assert report["exit_reason"].startswith("coordinator_lost:")
+        assert report["checkpoint"] == str(bundle.path)
         assert "lost the connection to the coordinator" in death.error
-    assert steps, "no rank saved its own bundle"
+        # The launcher is gone: what the script printed after that fell back to the log.
+        log = (run_dir / f"rank{rank}.log").read_text()
+        assert "flodl: CoordinatorError: lost the connection" in log, log
     assert not (run_dir / "checkpoints" / "coordinator.meta.json").exists()
 
     resumed = subprocess.run(
