@@ -43,7 +43,7 @@ from flodl.admission import serve_ranks
 from flodl.config import CoordinatorConfig
 from flodl.core.effects import Broadcast, Send
 from flodl.core.machine import CoordinatorMachine, Disconnect, Effect, Outcome, ResumeState
-from flodl.core.timeline import EventKind, Timeline
+from flodl.core.timeline import EventKind, Timeline, TimelineEvent
 from flodl.errors import (
     ChannelClosed,
     CoordinatorError,
@@ -66,6 +66,9 @@ _Outgoing = Message | EncodedMessage
 """What a rank's queue holds: a message, or one whose payload a broadcast encoded once."""
 
 log = logging.getLogger("flodl.coordinator")
+
+EventSink = Callable[[int, TimelineEvent], None]
+"""Takes each timeline event with its sequence number (:meth:`Coordinator.add_event_sink`)."""
 
 # What ends one rank's connection. Anything else (a CoordinatorError from the machine, say)
 # is a bug of ours: it propagates and stops the coordinator rather than blaming the rank.
@@ -124,6 +127,9 @@ class Coordinator:
         self._tasks: trio.Nursery | None = None
         """Where the shared readers' tasks run (the coordinator's nursery)."""
         self._readers: dict[type[ChannelReader], ChannelReader] = {}
+        self._sinks: list[EventSink] = []
+        self._published = 0
+        """Sequence number of the first timeline event no sink has been handed yet."""
 
     # --- public ---------------------------------------------------------------------------
 
@@ -143,6 +149,18 @@ class Coordinator:
         """Wait until the run has ended (finished, stopped, or saved) and return how."""
         await self._finished.wait()
         return self._machine.outcome
+
+    def add_event_sink(self, sink: EventSink) -> None:
+        """Hand ``sink`` every timeline event, with its sequence number: the ones so far at
+        once, then each as the machine records it, right after the effects that made it.
+
+        A sink must not block or raise (queue and return): it is called inside the machine's
+        effect loop, so whatever it does delays every round.
+        """
+        for seq, event in self._machine.timeline.since(0):
+            if seq < self._published:
+                sink(seq, event)
+        self._sinks.append(sink)
 
     def report_exit(self, rank: int, returncode: int, *, restarting: bool = False) -> list[str]:
         """The launcher saw ``rank``'s process exit with ``returncode`` (feeds death detection);
@@ -379,6 +397,13 @@ class Coordinator:
         loop's wake-up earlier if needed."""
         if self._dirty:
             self._flush()
+        timeline = self._machine.timeline
+        if self._published != timeline.added:
+            fresh = timeline.since(self._published)
+            self._published = timeline.added
+            for sink in self._sinks:
+                for seq, event in fresh:
+                    sink(seq, event)
         if self._machine.finished and not self._finished.is_set():
             self._finished.set()
         scope = self._deadline_scope

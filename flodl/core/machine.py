@@ -134,6 +134,8 @@ class CoordinatorMachine:
         self.settings = settings
         self.seed = seed
         self.timeline = Timeline()
+        self._lost_since: float | None = None
+        """When the first death the next re-formed group answers was detected."""
         self._phase = RunPhase.JOINING
         self.stats = [RankStats() for _ in range(world_size)]
         timeouts = settings.timeouts
@@ -280,6 +282,14 @@ class CoordinatorMachine:
                 return list(self.ending.save(SaveReason.GRACEFUL, now, why))
             return []
         if isinstance(message, CheckpointResult):
+            self.timeline.add(
+                now,
+                EventKind.CHECKPOINT_SAVED,
+                rank=rank,
+                version=message.version,
+                elapsed_ms=message.elapsed_ms,
+                error=message.error,
+            )
             return self._maybe_trigger(now) if self.rounds.on_checkpoint_result(message) else []
         if isinstance(message, Note):
             return []
@@ -380,8 +390,14 @@ class CoordinatorMachine:
         self.rounds.carry_over(members)
         self.membership.adopt(members, welcome=True)
         self._phase = RunPhase.TRAINING
+        took = None if self._lost_since is None else now - self._lost_since
+        self._lost_since = None
         self.timeline.add(
-            now, EventKind.GROUP_REFORMED, generation=generation, members=list(members)
+            now,
+            EventKind.GROUP_REFORMED,
+            generation=generation,
+            members=list(members),
+            took_s=took,
         )
         if self.cycle.settled:
             return self._maybe_trigger(now)
@@ -410,7 +426,7 @@ class CoordinatorMachine:
     def _on_metrics(self, rank: int, metrics: Metrics, now: float) -> list[Effect]:
         if rank not in self.membership.member_set:
             return []
-        waited_enough = self.rounds.on_completion(rank, metrics)
+        waited_enough = self.rounds.on_completion(rank, metrics, now)
         effects: list[Effect] = list(self.rounds.close_epochs(now))
         if waited_enough:
             effects += self.rounds.start(now, self._generation(), delivered=True)
@@ -471,6 +487,8 @@ class CoordinatorMachine:
             self.timeline.add(
                 now, EventKind.RANK_DEAD, rank=loss.rank, cause=loss.cause.value, why=why
             )
+        if self.phase is not RunPhase.JOINING and self._lost_since is None:
+            self._lost_since = now
         if self.phase is RunPhase.JOINING:
             self.membership.left.update(loss.rank for loss in losses)
             return effects

@@ -122,7 +122,7 @@ class Pacing:
         *,
         delivered: bool,
         now: float,
-    ) -> None:
+    ) -> str:
         """Feed one closed window (a report per ElChe rank) and the guard's verdict to ElChe.
 
         ``steps``: batches per global rank in the window; ``reduce_ms``: the last average's
@@ -140,3 +140,4 @@ class Pacing:
             self._timeline.add(
                 now, EventKind.ANCHOR_CHANGED, before=anchor_before, after=elche.anchor
             )
+        return type(verdict).__name__

@@ -25,11 +25,12 @@ import attrs
 
 from flodl.core.cycle import Cycle, Policy
 from flodl.core.dispatch import Dispatch
-from flodl.core.effects import Effect
+from flodl.core.effects import Effect, Send
 from flodl.core.job import Job
 from flodl.core.liveness import Liveness
 from flodl.core.membership import Membership
 from flodl.core.pacing import Pacing
+from flodl.core.round_log import RoundLog
 from flodl.core.saves import SaveSchedule
 from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
@@ -107,9 +108,12 @@ class Rounds:
         self.wait_until: float | None = None
         """Cadence: a due round waits for completion frames and idle-fill batches until then."""
         self._first_epoch = resume.epoch
+        self._policy = policy
         self._membership = membership
         self._liveness = liveness
         self._timeline = timeline
+        self.log = RoundLog()
+        """Per-rank facts of each window and round, for the SyncEnd event."""
         self._progressive = policy is not Policy.SYNC
         self._waits = policy is Policy.CADENCE
         self._window_wait = settings.timeouts.window_wait
@@ -157,6 +161,22 @@ class Rounds:
             self.cycle.drop_rank(now, rank)
         self.pacing.form(members)
         self.dispatch.open(job, self._first_epoch)
+        self.log.batch_size = job.batch_size
+        self.log.open_window(now)
+        work = self.dispatch.work
+        assert work is not None
+        self._timeline.add(
+            now,
+            EventKind.TRAINING_STARTED,
+            dataset_size=job.dataset_size,
+            batch_size=job.batch_size,
+            epochs=job.epochs,
+            first_epoch=self._first_epoch,
+            epoch_batches=work.epoch_batches,
+            members=list(members),
+            policy=self._policy.value,
+            generation=generation,
+        )
         return self.start(now, generation, delivered=False)
 
     def carry_over(self, members: Sequence[int]) -> None:
@@ -180,9 +200,13 @@ class Rounds:
     def on_batch(self, rank: int, batch: Batch, now: float) -> BatchSeen:
         """A member finished a batch."""
         out_of_work = self.dispatch.on_batch(rank, batch, now)
+        self.log.on_batch(rank, batch.batch_ms + batch.data_ms, now)
         # A Batch never settles a round (only SyncAcks do), so there is nothing to settle here.
         self.cycle.on_batch(now, batch)
         throttles = list(self.cycle.throttle())
+        for throttle in throttles:
+            if isinstance(throttle, Send):
+                self._timeline.add(now, EventKind.THROTTLE, rank=throttle.rank)
         # The count trigger can only turn true when this rank reaches its planned count, runs
         # out of work, or a rank was just throttled (throttled ranks are exempt); every other
         # report leaves it false, so most reports skip the check.
@@ -197,9 +221,10 @@ class Rounds:
             return []
         return self.dispatch.fill(rank, now, steps_of=self.cycle.steps_of, working=self.working)
 
-    def on_completion(self, rank: int, metrics: Metrics) -> bool:
+    def on_completion(self, rank: int, metrics: Metrics, now: float) -> bool:
         """A member's completion frame; True when a waiting round now waits for no one."""
         self.dispatch.on_completion(rank, metrics)
+        self.log.on_report(rank, now)
         return self.wait_until is not None and not self.dispatch.awaits(self.working)
 
     def close_epochs(self, now: float) -> list[Effect]:
@@ -243,22 +268,43 @@ class Rounds:
         self._timeline.add(now, EventKind.SYNC_START, round=started.round, steps=list(steps))
         members = self._membership.members
         dispatch = self.dispatch
+        verdict = None
+        self.log.start(
+            now,
+            round=started.round,
+            generation=generation,
+            members=members,
+            redo=False,
+            global_step=started.global_step,
+        )
         if self.pacing.feeds and any(steps):
             reduce_ms = (self.cycle.last_sync_duration or 0.0) * 1000.0
             windows = dispatch.reports(members, steps, delivered)
-            self.pacing.close_window(windows, steps, reduce_ms, delivered=delivered, now=now)
+            verdict = self.pacing.close_window(
+                windows, steps, reduce_ms, delivered=delivered, now=now
+            )
         dispatch.new_window()
         work = dispatch.work
         assert work is not None
         if work.exhausted:
             return effects
         counts = self.pacing.window_counts(members, work.epoch_batches)
+        anchor = self.pacing.elche.anchor if self.pacing.feeds else None
+        self.log.set_plan(anchor, counts, verdict)
         return effects + dispatch.hand_out(counts, self.pacing.ms_per_batch(), now)
 
     def redo(self, now: float, generation: int) -> list[Effect]:
         """Reissue the round a dead member interrupted, on the re-formed ``generation``."""
         started = self.cycle.redo_round(now, generation)
         self._timeline.add(now, EventKind.SYNC_START, round=started.round, redo=True)
+        self.log.start(
+            now,
+            round=started.round,
+            generation=generation,
+            members=self._membership.members,
+            redo=True,
+            global_step=started.global_step,
+        )
         return list(started.effects)
 
     # --- settling ---------------------------------------------------------------------------
@@ -282,12 +328,15 @@ class Rounds:
         """A member acknowledged a round; True when that settled the round in flight."""
         if ack.round == self.cycle.round and ack.divergence is not None:
             self.pacing.on_divergence(ack.divergence)
+        self.log.on_ack(ack, now)
         return self.cycle.on_sync_ack(now, ack)
 
     def settled(self, now: float) -> list[Effect]:
         """The round in flight settled: the checkpoints asked for and scheduled are requested."""
         duration = self.cycle.last_sync_duration or 0.0
-        self._timeline.add(now, EventKind.SYNC_END, round=self.cycle.round, duration_s=duration)
+        record = self.log.settled(now)
+        record.update(round=self.cycle.round, duration_s=duration)
+        self._timeline.add(now, EventKind.SYNC_END, **record)
         live = [rank for rank in self._membership.members if self._liveness.is_alive(rank)]
         position = self.position()
         saves = self.saves.settled(

@@ -12,6 +12,8 @@ import attrs
 class EventKind(enum.Enum):
     """Kinds of timeline events (names as in floDl where it has them)."""
 
+    TRAINING_STARTED = "TrainingStarted"
+    """The first group formed: the job (dataset size, batch size, epochs) and its members."""
     SYNC_START = "SyncStart"
     SYNC_END = "SyncEnd"
     ANCHOR_CHANGED = "AnchorChanged"
@@ -21,6 +23,8 @@ class EventKind(enum.Enum):
     RANK_DEAD = "RankDead"
     GROUP_REFORMED = "GroupReformed"
     SAVE_REQUESTED = "SaveRequested"
+    CHECKPOINT_SAVED = "CheckpointSaved"
+    """A rank answered a Checkpoint request (``error`` is None when it saved)."""
     EPOCH_AGGREGATED = "EpochAggregated"
     SHUTDOWN = "Shutdown"
     GOING_ON_WITHOUT = "GoingOnWithout"
@@ -40,12 +44,22 @@ class TimelineEvent:
 
 
 class Timeline:
-    """An append-only list of events with a bound on how many are kept (oldest dropped)."""
+    """An append-only list of events with a bound on how many are kept (oldest dropped).
+
+    Every event ever added has a sequence number, its position in the run's history
+    (0, 1, ...), which stays valid after older events were dropped: :meth:`since` reads
+    on from one.
+    """
 
     def __init__(self, max_events: int = 100_000) -> None:
         self._events: list[TimelineEvent] = []
         self._max = max_events
         self.dropped = 0
+
+    @property
+    def added(self) -> int:
+        """How many events were ever added (the next event's sequence number)."""
+        return self.dropped + len(self._events)
 
     def add(self, time: float, kind: EventKind, **detail: Any) -> TimelineEvent:
         event = TimelineEvent(time, kind, detail)
@@ -55,6 +69,12 @@ class Timeline:
             del self._events[:excess]
             self.dropped += excess
         return event
+
+    def since(self, seq: int) -> list[tuple[int, TimelineEvent]]:
+        """The events from sequence number ``seq`` on, with their numbers (dropped ones are
+        skipped: the first number returned may be above ``seq``)."""
+        start = max(seq - self.dropped, 0)
+        return [(self.dropped + i, e) for i, e in enumerate(self._events[start:], start)]
 
     def __iter__(self) -> Iterator[TimelineEvent]:
         return iter(self._events)

@@ -1,0 +1,132 @@
+"""The run's event log: ``run_dir/events.jsonl``, one JSON object a line, as things happen.
+
+Each line is a timeline event of the coordinator (see docs/observability.md, key by key)::
+
+    {"v": 1, "seq": 17, "t": 3.52, "unix": 1764640000.12, "kind": "SyncEnd", ...detail}
+
+``v`` is the schema version, ``seq`` the event's sequence number in the run (gaps mean events
+were dropped), ``t`` seconds since the coordinator started, ``unix`` the wall-clock time.
+:class:`EventLog` is fed from inside the coordinator's effect loop, so :meth:`EventLog.offer`
+never waits: it converts the event and puts it on a bounded queue, and a writer task writes
+whatever is queued in a worker thread. When the queue is full (the disk is slower than the
+run), events are dropped and counted, and the log's last line says how many.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import trio
+
+from flodl.core.timeline import TimelineEvent
+
+__all__ = ["EVENTS_NAME", "SCHEMA_VERSION", "EventLog", "event_record", "read_events"]
+
+EVENTS_NAME = "events.jsonl"
+SCHEMA_VERSION = 1
+QUEUE_LIMIT = 10_000
+"""Events waiting to be written before new ones are dropped (a few MB at most)."""
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN or infinity: they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def event_record(seq: int, event: TimelineEvent, clocks: tuple[float, float]) -> dict[str, Any]:
+    """The log line of ``event``; ``clocks`` is (trio time, unix time) read together at the
+    coordinator's start."""
+    trio_start, unix_start = clocks
+    since = event.time - trio_start
+    head = {
+        "v": SCHEMA_VERSION,
+        "seq": seq,
+        "t": round(since, 6),
+        "unix": round(unix_start + since, 6),
+        "kind": event.kind.value,
+    }
+    return {**head, **_clean(event.detail)}
+
+
+class EventLog:
+    """Writes events to ``path`` from a writer task (:meth:`run`); :meth:`offer` never waits."""
+
+    def __init__(self, path: Path, clocks: tuple[float, float]) -> None:
+        self.path = path
+        self.clocks = clocks
+        self._send, self._receive = trio.open_memory_channel[dict[str, Any]](QUEUE_LIMIT)
+        self.dropped = 0
+        """Events not written because the queue was full."""
+        self.written = 0
+        self.records: list[dict[str, Any]] = []
+        """Every record offered, in order (the history the live views read)."""
+
+    def offer(self, seq: int, event: TimelineEvent) -> None:
+        """Queue ``event`` (a coordinator event sink). Never blocks; drops when full."""
+        record = event_record(seq, event, self.clocks)
+        self.records.append(record)
+        try:
+            self._send.send_nowait(record)
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            self.dropped += 1
+
+    def close(self) -> None:
+        """No more events: :meth:`run` writes what is queued and returns."""
+        self._send.close()
+
+    async def run(self) -> None:
+        """Write queued events until :meth:`close`; each batch is flushed to disk (a reader
+        sees whole lines). On cancellation what was queued but not written is lost; the file
+        holds whole lines only."""
+        with self.path.open("a", encoding="utf-8") as sink:
+            async with self._receive:
+                async for first in self._receive:
+                    batch = [first]
+                    while True:
+                        try:
+                            batch.append(self._receive.receive_nowait())
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                    await trio.to_thread.run_sync(_write, sink, batch)
+                    self.written += len(batch)
+            if self.dropped:
+                tail = {"v": SCHEMA_VERSION, "kind": "EventsDropped", "count": self.dropped}
+                _write(sink, [tail])
+
+
+def _write(sink: TextIO, records: list[dict[str, Any]]) -> None:
+    sink.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+    sink.flush()
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """Every event in the log at ``path``, in order. A last line cut short (a run killed
+    while writing) is skipped; any other line that is not a JSON object raises ValueError
+    naming the line."""
+    return list(_iter_events(path))
+
+
+def _iter_events(path: Path) -> Iterator[dict[str, Any]]:
+    lines = path.read_text(encoding="utf-8").split("\n")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # no newline after it: cut short
+                return
+            raise ValueError(f"{path}:{number}: not a JSON line: {err}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object")
+        yield record
