@@ -47,6 +47,9 @@ from flodl.failure_report import (
 )
 from flodl.launcher_saves import account_saves
 from flodl.launcher_signals import StopSignals, kill_rank_groups, say, watch_signals
+from flodl.observe.events import EVENTS_NAME
+from flodl.observe.hub import open_observer
+from flodl.observe.views import ViewConfig, run_views
 from flodl.rundir import check_overwrite_and_resume, claim_run_dir, fresh_run_dir
 
 KEY_FILE_NAME = "session.key"
@@ -79,6 +82,8 @@ class LaunchConfig:
     """Remove the files of the run ``run_dir`` holds (flodl's own only) before starting."""
     keep_checkpoints: int = 2
     """Bundles each rank keeps in its checkpoint folder (it removes older ones after a save)."""
+    views: ViewConfig = attrs.field(factory=ViewConfig)
+    """What the run shows while it trains (live table, event lines, dashboard)."""
 
     def __attrs_post_init__(self) -> None:
         check_at_least("--nproc", self.nproc, 1)
@@ -272,8 +277,12 @@ async def _launch(
         # Both clocks read together, so timeline times map onto unix times exactly.
         trio_start, clock_unix = trio.current_time(), time.time()
         master_port = int(coordinator.url.rsplit(":", 1)[-1]) if "tcp" in url else 0
+        observing = open_observer(coordinator, run_dir, (trio_start, clock_unix))
         try:
-            async with trio.open_nursery() as nursery:
+            async with observing as observer, trio.open_nursery() as nursery:
+                dashboard = await nursery.start(run_views, observer, config.views)
+                if dashboard is not None and config.echo:
+                    say(f"flodl: dashboard at {dashboard}")
 
                 async def start_rank(rank: int) -> trio.Process:
                     env = rank_environment(
@@ -321,6 +330,7 @@ async def _launch(
         summary = build_summary(config, coordinator, spawned, (clock_unix, trio_start), stops)
         summary["wall_s"] = time.time() - started_unix
         summary["run_dir"] = str(run_dir)
+        summary["events"] = str(run_dir / EVENTS_NAME)
         save_coordinator_meta(run_dir, coordinator.machine.checkpoint_meta())
         if plan is not None:
             summary["resumed_from"] = str(plan.bundle)

@@ -68,40 +68,48 @@ class EventLog:
         self.dropped = 0
         """Events not written because the queue was full."""
         self.written = 0
-        self.records: list[dict[str, Any]] = []
-        """Every record offered, in order (the history the live views read)."""
+        self.finished = trio.Event()
+        """Set once :meth:`run` returned (everything queued is written, or it gave up)."""
+        self._scope = trio.CancelScope(shield=True)
 
-    def offer(self, seq: int, event: TimelineEvent) -> None:
-        """Queue ``event`` (a coordinator event sink). Never blocks; drops when full."""
+    def offer(self, seq: int, event: TimelineEvent) -> dict[str, Any]:
+        """Queue ``event`` (a coordinator event sink) and return its record. Never blocks;
+        an event that finds the queue full is dropped and counted."""
         record = event_record(seq, event, self.clocks)
-        self.records.append(record)
         try:
             self._send.send_nowait(record)
         except (trio.WouldBlock, trio.ClosedResourceError):
             self.dropped += 1
+        return record
 
-    def close(self) -> None:
-        """No more events: :meth:`run` writes what is queued and returns."""
+    def close(self, drain_s: float = 5.0) -> None:
+        """No more events: :meth:`run` writes what is queued, for at most ``drain_s`` more
+        seconds, and returns."""
         self._send.close()
+        self._scope.deadline = min(self._scope.deadline, trio.current_time() + drain_s)
 
     async def run(self) -> None:
-        """Write queued events until :meth:`close`; each batch is flushed to disk (a reader
-        sees whole lines). On cancellation what was queued but not written is lost; the file
-        holds whole lines only."""
-        with self.path.open("a", encoding="utf-8") as sink:
-            async with self._receive:
-                async for first in self._receive:
-                    batch = [first]
-                    while True:
-                        try:
-                            batch.append(self._receive.receive_nowait())
-                        except (trio.WouldBlock, trio.EndOfChannel):
-                            break
-                    await trio.to_thread.run_sync(_write, sink, batch)
-                    self.written += len(batch)
-            if self.dropped:
-                tail = {"v": SCHEMA_VERSION, "kind": "EventsDropped", "count": self.dropped}
-                _write(sink, [tail])
+        """Write queued events until :meth:`close`; each batch is flushed (a reader sees whole
+        lines). Shielded: a cancelled run still gets its history written, until the deadline
+        :meth:`close` sets; then what is still queued is lost. The file holds whole lines."""
+        try:
+            with self._scope, self.path.open("a", encoding="utf-8") as sink:
+                async with self._receive:
+                    async for first in self._receive:
+                        batch = [first]
+                        while True:
+                            try:
+                                batch.append(self._receive.receive_nowait())
+                            except (trio.WouldBlock, trio.EndOfChannel):
+                                break
+                        # A thread the deadline may abandon: the write itself is never cut.
+                        await trio.to_thread.run_sync(_write, sink, batch, abandon_on_cancel=True)
+                        self.written += len(batch)
+                if self.dropped:
+                    tail = {"v": SCHEMA_VERSION, "kind": "EventsDropped", "count": self.dropped}
+                    _write(sink, [tail])
+        finally:
+            self.finished.set()
 
 
 def _write(sink: TextIO, records: list[dict[str, Any]]) -> None:
