@@ -101,10 +101,13 @@ class RoundLog:
             idle_ms = 0.0 if f.last_report is None else max(now - f.last_report, 0.0) * 1000.0
             if f.batches == 0:
                 idle_ms = window_s * 1000.0
+            ms_per_batch = f.compute_ms / f.batches if f.batches else None
+            # While it trains (idle time left out): what its hardware delivers.
+            rate = self.batch_size * 1000.0 / ms_per_batch if ms_per_batch else None
             ranks[rank] = {
                 "batches": f.batches,
-                "ms_per_batch": f.compute_ms / f.batches if f.batches else None,
-                "samples_per_s": (f.batches * self.batch_size / window_s if window_s > 0 else None),
+                "ms_per_batch": ms_per_batch,
+                "samples_per_s": rate,
                 "idle_ms": idle_ms,
             }
         self._round = {
