@@ -87,14 +87,14 @@ async def run_views(
 ) -> None:
     """Run the views ``views`` asks for until cancelled; started (``nursery.start``) once the
     dashboard listens, with its URL (None without a dashboard)."""
-    from flodl.observe import terminal
+    from flodl.observe.terminal import show
 
     async with trio.open_nursery() as nursery:
-        await nursery.start(terminal.show, observer, views)
+        await nursery.start(show, observer, views)
         url = None
         if views.dashboard is not None:
-            from flodl.observe import dashboard
+            from flodl.observe.dashboard import serve
 
             host, port = views.dashboard
-            url = await nursery.start(dashboard.serve, observer, host, port, views.token())
+            url = await nursery.start(serve, observer, host, port, views.token())
         task_status.started(url)
