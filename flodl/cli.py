@@ -17,6 +17,7 @@ from flodl.backends import check_backend_on_host
 from flodl.config import CoordinatorConfig, Policy, check_at_least, check_script, check_seconds
 from flodl.environment import RankEnv, session_key_from_env
 from flodl.errors import ConfigError, FlodlError
+from flodl.observe.views import ViewConfig, parse_bind
 from flodl.transports import parse_url
 
 
@@ -116,6 +117,71 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
     )
 
 
+def _add_view_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-live",
+        action="store_true",
+        help="no live table even on a terminal: plain lines (rank output and events) instead",
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print only the end-of-run summary (rank output is still in run_dir/rank<N>.log)",
+    )
+    parser.add_argument(
+        "--dashboard",
+        default=None,
+        metavar="[HOST:]PORT",
+        help="serve a live web dashboard, /api/state, /api/events and /metrics "
+        "(host default 127.0.0.1; any other host needs --dashboard-token-file)",
+    )
+    parser.add_argument(
+        "--dashboard-token-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="every dashboard request must present this file's token (Bearer or ?token=)",
+    )
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="write run_dir/report/index.html (plots of the event log) when the run ends",
+    )
+
+
+def _view_config(args: argparse.Namespace) -> ViewConfig:
+    return ViewConfig(
+        live=False if args.no_live or args.quiet else None,
+        quiet=args.quiet,
+        dashboard=None if args.dashboard is None else parse_bind(args.dashboard),
+        dashboard_token_file=args.dashboard_token_file,
+    )
+
+
+def _write_report(run_dir: Path) -> None:
+    from flodl.observe.report import write_report
+
+    try:
+        index = write_report(run_dir)
+    except FlodlError as err:
+        print(f"flodl: no report: {err}", file=sys.stderr, flush=True)
+        return
+    print(f"  report: {index}", flush=True)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from flodl.observe.report import write_report
+
+    index = write_report(args.run_dir)
+    print(f"report: {index}", flush=True)
+    if args.tensorboard is not None:
+        from flodl.observe.tensorboard import export_tensorboard
+
+        written = export_tensorboard(args.run_dir, args.tensorboard)
+        print(f"tensorboard: {written} scalars in {args.tensorboard}", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flodl", description="Data-parallel training for machines of unequal speed."
@@ -158,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="each rank keeps its K newest bundles and removes older ones (default 2)",
     )
     _add_coordinator_options(run)
+    _add_view_options(run)
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -171,6 +238,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the coordinator writes summary.json (default: runs/coordinator)",
     )
     _add_coordinator_options(coord)
+    _add_view_options(coord)
+
+    report = commands.add_parser(
+        "report", help="write RUN_DIR/report/index.html: plots of a run's event log"
+    )
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    report.add_argument(
+        "--tensorboard",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write the event log as TensorBoard scalars to DIR (needs flodl[tensorboard])",
+    )
 
     worker = commands.add_parser("worker", help="run SCRIPT as one rank of a remote coordinator")
     worker.add_argument("--coordinator", required=True, metavar="URL")
@@ -211,6 +291,8 @@ def _run(args: argparse.Namespace) -> int:
         restarts=args.restarts,
         overwrite=args.overwrite,
         keep_checkpoints=args.keep_checkpoints,
+        echo=not args.quiet,
+        views=_view_config(args),
     )
     config.check_host()
     if args.resume is not None:
@@ -221,6 +303,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         print_summary(summary)
         print(f"  summary: {config.run_dir / 'summary.json'}", flush=True)
+        if args.report:
+            _write_report(config.run_dir)
     except BrokenPipeError:  # `| tee` died of the same Ctrl-C; summary.json is written
         silence_stdout()
     return 0 if run_succeeded(summary) else 1
@@ -237,12 +321,16 @@ def _coordinator(args: argparse.Namespace) -> int:
     from flodl.coordinator import open_coordinator
     from flodl.failure_report import coordinator_summary, print_root_cause, write_summary
     from flodl.launcher_signals import StopSignals, coordinate
+    from flodl.observe.hub import open_observer
+    from flodl.observe.views import run_views
 
     _check_url("--listen", args.listen)
     check_at_least("--world-size", args.world_size, 1)
     config = _coordinator_config(args)
+    views = _view_config(args)
     key = session_key_from_env()
     stops = StopSignals()
+    args.run_dir.mkdir(parents=True, exist_ok=True)
     summary: dict[str, object] = {}
 
     async def serve() -> tuple[str, int]:
@@ -252,7 +340,15 @@ def _coordinator(args: argparse.Namespace) -> int:
             clocks = (time.time(), trio.current_time())
             print(f"flodl coordinator listening on {coordinator.url}", flush=True)
             try:
-                return await coordinate(coordinator, stops)  # SIGINT/SIGTERM: every rank saves
+                observing = open_observer(coordinator, args.run_dir, (clocks[1], clocks[0]))
+                async with observing as observer, trio.open_nursery() as nursery:
+                    dashboard = await nursery.start(run_views, observer, views)
+                    if dashboard is not None:
+                        print(f"flodl: dashboard at {dashboard}", flush=True)
+                    # SIGINT/SIGTERM: every rank saves
+                    outcome = await coordinate(coordinator, stops)
+                    nursery.cancel_scope.cancel()
+                    return outcome
             finally:  # what it knows, even when stopped at once
                 summary.update(
                     coordinator_summary(
@@ -271,6 +367,8 @@ def _coordinator(args: argparse.Namespace) -> int:
     print(line, flush=True)
     print_root_cause(summary, sys.stdout)
     print(f"  summary: {args.run_dir / 'summary.json'}", flush=True)
+    if args.report:
+        _write_report(args.run_dir)
     return status
 
 
@@ -320,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(args)
         if args.command == "coordinator":
             return _coordinator(args)
+        if args.command == "report":
+            return _report(args)
         return _worker(args)
     except FlodlError as err:
         print(f"flodl: error: {err}", file=sys.stderr)
