@@ -289,6 +289,7 @@ class CoordinatorMachine:
                 version=message.version,
                 elapsed_ms=message.elapsed_ms,
                 error=message.error,
+                path=message.path,
             )
             return self._maybe_trigger(now) if self.rounds.on_checkpoint_result(message) else []
         if isinstance(message, Note):

@@ -499,12 +499,20 @@ class RankMachine:
     # --- saving ------------------------------------------------------------------------------
 
     def checkpoint_finished(
-        self, request: Checkpoint, elapsed_ms: float, error: str | None
+        self,
+        request: Checkpoint,
+        elapsed_ms: float,
+        error: str | None,
+        path: str | None = None,
     ) -> list[RankEffect]:
-        """A Checkpoint's bundle was saved (or not: ``error``): CheckpointResult."""
+        """A Checkpoint's bundle was saved to ``path`` (or not: ``error``): CheckpointResult."""
         self._finish_step("checkpoint_finished", SaveCheckpoint)
         result = CheckpointResult(
-            rank=self.rank, version=request.version, elapsed_ms=elapsed_ms, error=error
+            rank=self.rank,
+            version=request.version,
+            elapsed_ms=elapsed_ms,
+            error=error,
+            path=path,
         )
         return [Send(result)]
 

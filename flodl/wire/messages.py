@@ -281,6 +281,8 @@ class CheckpointResult(Message):
     version: int = u64()
     elapsed_ms: float = duration_ms()
     error: str | None = opt_text()
+    path: str | None = opt_text()
+    """Where the bundle was written (its stem's path), when it was."""
 
 
 @attrs.frozen

@@ -70,14 +70,15 @@ class BundleSaver:
         """The SaveCheckpoint step: a versioned bundle; the machine's CheckpointResult."""
         started = trio.current_time()
         error: str | None = None
+        path: str | None = None
         try:
             stem = f"flodl-step{self._machine.global_step:09d}-v{request.version:06d}"
-            await self.save("CHECKPOINT", stem=stem)
+            path = str(await self.save("CHECKPOINT", stem=stem))
         except CheckpointError as err:
             error = str(err)
         elapsed_ms = (trio.current_time() - started) * 1000.0
         self.checkpoint_ms.append(elapsed_ms)
-        return self._machine.checkpoint_finished(request, elapsed_ms, error)
+        return self._machine.checkpoint_finished(request, elapsed_ms, error, path)
 
     async def save_on_loss(self) -> list[RankEffect]:
         """The SaveOnLoss step: this rank's own bundle, as the coordinator is gone; the
