@@ -78,6 +78,8 @@ class RankScript:
     collective_ms: float = 1.0
     die_after_batches: int | None = None
     """Close the connection abruptly (like a crash) after this many batches."""
+    die_in_round: int | None = None
+    """Close the connection abruptly while averaging this round (a crash in a collective)."""
     silent_after_batches: int | None = None
     """Stop sending anything (heartbeats included) but keep the connection open."""
     hang_collectives: bool = False
@@ -340,6 +342,9 @@ class ScriptedRank:
         with trio.CancelScope() as scope:
             self._abandon = scope
             if self.script.hang_collectives:
+                await trio.sleep_forever()
+            if self.script.die_in_round == sync.round:
+                self.kill()
                 await trio.sleep_forever()
             await group.enter(sync.round, self.rank)
             await trio.sleep(self.script.collective_ms / 1000.0)

@@ -7,7 +7,8 @@ round: when its ack arrived (averaging time), its divergence and norms. The reco
 out once the round settles (:meth:`RoundLog.settled`), as the ``SyncEnd`` timeline event's
 detail. The record holds durations only (``window_s``, ``duration_s``, per rank ``idle_ms`` and
 ``averaging_ms``): the event's own time is when the round settled, so it started
-``duration_s`` before, and its window ``window_s`` before that. Pure: times are the
+``duration_s`` before, and its window ``window_s`` before that (a window opens as the round
+before it starts, when its work is handed out). Pure: times are the
 coordinator's clock, passed in; no I/O.
 """
 
@@ -85,11 +86,13 @@ class RoundLog:
 
         The next window opens at once (its work is handed out as the round starts). A redone
         round keeps the window of the round it redoes (that window's training is what it
-        averages); only its start time and generation change, and the dead leave it.
+        averages) under its own round number, naming the one it redoes (``redoes``): only its
+        number, start time and generation change, and the dead leave it.
         """
         self._started = now
         if redo and self._round is not None:
-            self._round.update(generation=generation, redo=True)
+            redoes = self._round["round"]
+            self._round.update(round=round, generation=generation, redo=True, redoes=redoes)
             for rank in list(self._round["ranks"]):
                 if rank not in members:
                     del self._round["ranks"][rank]

@@ -69,8 +69,7 @@ class EventLog:
         """Events not written because the queue was full."""
         self.written = 0
         self.finished = trio.Event()
-        """Set once :meth:`run` returned (everything queued is written, or it gave up)."""
-        self._scope = trio.CancelScope(shield=True)
+        """Set once :meth:`run` returned (everything queued is written, or writing failed)."""
 
     def offer(self, seq: int, event: TimelineEvent) -> dict[str, Any]:
         """Queue ``event`` (a coordinator event sink) and return its record. Never blocks;
@@ -82,18 +81,21 @@ class EventLog:
             self.dropped += 1
         return record
 
-    def close(self, drain_s: float = 5.0) -> None:
-        """No more events: :meth:`run` writes what is queued, for at most ``drain_s`` more
-        seconds, and returns."""
+    def close(self) -> None:
+        """No more events: :meth:`run` writes what is queued and returns."""
         self._send.close()
-        self._scope.deadline = min(self._scope.deadline, trio.current_time() + drain_s)
 
     async def run(self) -> None:
         """Write queued events until :meth:`close`; each batch is flushed (a reader sees whole
-        lines). Shielded: a cancelled run still gets its history written, until the deadline
-        :meth:`close` sets; then what is still queued is lost. The file holds whole lines."""
+        lines).
+
+        Shielded from cancellation: a cancelled run still gets its whole history written,
+        as long as :meth:`close` is called. There is no time limit on that: the writes go to
+        the run folder, where ``summary.json`` is written next, so a disk too slow for one
+        would hold up the other anyway.
+        """
         try:
-            with self._scope, self.path.open("a", encoding="utf-8") as sink:
+            with trio.CancelScope(shield=True), self.path.open("a", encoding="utf-8") as sink:
                 async with self._receive:
                     async for first in self._receive:
                         batch = [first]
@@ -102,8 +104,7 @@ class EventLog:
                                 batch.append(self._receive.receive_nowait())
                             except (trio.WouldBlock, trio.EndOfChannel):
                                 break
-                        # A thread the deadline may abandon: the write itself is never cut.
-                        await trio.to_thread.run_sync(_write, sink, batch, abandon_on_cancel=True)
+                        await trio.to_thread.run_sync(_write, sink, batch)
                         self.written += len(batch)
                 if self.dropped:
                     tail = {"v": SCHEMA_VERSION, "kind": "EventsDropped", "count": self.dropped}

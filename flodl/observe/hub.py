@@ -28,9 +28,6 @@ HISTORY_LIMIT = 200_000
 """Records kept in memory for ``/api/events`` and the live plots (older ones are dropped;
 the event log on disk keeps all of them)."""
 
-DRAIN_LIMIT_S = 5.0
-"""At the end, how long the event log may take to write what is queued."""
-
 
 class Observer:
     """What the views read (module docstring). Obtained from :func:`open_observer`."""
@@ -117,8 +114,8 @@ async def open_observer(
     """Observe ``coordinator`` for the block, writing ``run_dir/events.jsonl``.
 
     ``clocks``: (trio time, unix time) read together when the coordinator started (default:
-    now). On exit, also by cancellation, the event log writes what is queued, for at most
-    :data:`DRAIN_LIMIT_S`, so an interrupted run still leaves its history.
+    now). On exit, also by cancellation, the block waits until the event log has written
+    everything queued, so an interrupted run still leaves its whole history.
     """
     clocks = clocks or (trio.current_time(), time.time())
     log = EventLog(run_dir / EVENTS_NAME, clocks)
@@ -129,4 +126,4 @@ async def open_observer(
         try:
             yield observer
         finally:
-            log.close(DRAIN_LIMIT_S)
+            log.close()  # the writer ends, shielded, once it wrote what is queued

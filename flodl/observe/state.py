@@ -243,7 +243,11 @@ class RunView:
         if not total:
             return None
         done = sum(row.batches for row in self.ranks.values())
-        return min(done / total, 1.0)
+        # Batches a rank ran just before it died are never averaged in, so the closed epochs
+        # say more once they are all closed.
+        epochs = self.epochs - self.first_epoch if self.epochs is not None else 0
+        closed = len(self.epoch_results) / epochs if epochs > 0 else 0.0
+        return min(max(done / total, closed), 1.0)
 
     def eta_s(self) -> float | None:
         """Seconds left at the pace so far (None until there is a pace)."""
