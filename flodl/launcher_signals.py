@@ -16,7 +16,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
@@ -26,7 +26,15 @@ if TYPE_CHECKING:
     from flodl.coordinator import Coordinator
     from flodl.launcher import RankProcess
 
-__all__ = ["StopSignals", "kill_rank_groups", "say", "silence_stdout", "watch_signals"]
+__all__ = [
+    "LinePrinter",
+    "StopSignals",
+    "kill_rank_groups",
+    "printing_through",
+    "say",
+    "silence_stdout",
+    "watch_signals",
+]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -52,10 +60,32 @@ def silence_stdout() -> None:
         os.close(devnull)
 
 
+LinePrinter = Callable[[str, TextIO | None], None]
+"""Takes over :func:`say`'s lines (the text, and the stream it was asked to print on)."""
+
+_printer: LinePrinter | None = None
+
+
+@contextlib.contextmanager
+def printing_through(printer: LinePrinter) -> Iterator[None]:
+    """For the block, :func:`say` hands its lines to ``printer`` instead of printing them (the
+    live terminal view prints them above its table). The previous printer is back on exit,
+    however the block ends."""
+    global _printer
+    previous, _printer = _printer, printer
+    try:
+        yield
+    finally:
+        _printer = previous
+
+
 def say(text: str, stream: TextIO | None = None) -> bool:
     """Print one line and flush; False (and stdout silenced) when its reader has gone."""
     out = stream if stream is not None else sys.stdout
     try:
+        if _printer is not None:
+            _printer(text, stream)
+            return True
         print(text, file=out, flush=True)
     except BrokenPipeError:
         if out is sys.stdout:

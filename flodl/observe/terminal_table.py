@@ -1,0 +1,137 @@
+"""What the live terminal view draws, from the run's state (:meth:`Observer.state`): pure.
+
+A header line (status, round, generation, epoch, policy, total samples/s, last loss), a
+progress bar with the ETA, a table with one row per rank, and the last few event lines. Only
+the live view imports this module (it imports rich).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+__all__ = ["COLUMNS", "render"]
+
+COLUMNS = ("rank", "state", "batches", "samples/s", "window", "idle", "averaging", "heartbeat")
+"""The rank table's column headers."""
+
+_STATE_STYLES = {
+    "training": "green",
+    "joined": "cyan",
+    "joining": "dim",
+    "dead": "bold red",
+    "left": "yellow",
+    "done": "blue",
+}
+_SILENT_S = 3.0
+"""A heartbeat older than this is shown in yellow (the rank may be stalling)."""
+
+
+def render(state: Mapping[str, Any], events: Sequence[str] = (), width: int = 100) -> Group:
+    """The whole view for ``state``: header, progress, rank table, then ``events`` (the last
+    few event lines, oldest first). ``width``: the columns the progress bar may use."""
+    parts: list[RenderableType] = [header(state), progress(state, width), rank_table(state)]
+    if events:
+        parts.append(Text("\n".join(events), style="dim", no_wrap=True, overflow="ellipsis"))
+    return Group(*parts)
+
+
+def header(state: Mapping[str, Any]) -> Text:
+    """``flodl  training  round 12  generation 1  epoch 3/8  cadence  2,345 samples/s ...``"""
+    text = Text("flodl ", style="bold")
+    status = str(state.get("status") or "joining")
+    text.append(f" {status} ", style="reverse " + _status_style(status))
+    epochs = state.get("epochs")
+    epoch = state.get("epoch")
+    epoch_text = "-" if epoch is None or epochs is None else f"{min(epoch + 1, epochs)}/{epochs}"
+    fields = [
+        ("round", str(state.get("round", 0))),
+        ("generation", str(state.get("generation", 0))),
+        ("epoch", epoch_text),
+        ("policy", str(state.get("policy") or "-")),
+        ("samples/s", _number(state.get("samples_per_s"))),
+    ]
+    if state.get("last_loss") is not None:
+        fields.append(("loss", f"{state['last_loss']:.4f}"))
+    for name, value in fields:
+        text.append(f"  {name} ", style="dim")
+        text.append(value, style="bold")
+    return text
+
+
+def progress(state: Mapping[str, Any], width: int = 100) -> Table:
+    """A bar of the share of the run's batches done, with the percentage and the ETA."""
+    share = state.get("progress")
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column(no_wrap=True)
+    done = 0.0 if share is None else float(share)
+    bar_width = max(min(width - 30, 60), 10)
+    bar = ProgressBar(total=1.0, completed=done, width=bar_width)
+    grid.add_row(bar, Text(f"{100 * done:5.1f}%  ETA {eta_text(state)}", style="bold"))
+    return grid
+
+
+def eta_text(state: Mapping[str, Any]) -> str:
+    """``1:23`` (minutes:seconds, hours when needed); ``0:00`` once completed; ``-`` when unknown
+    or when the run stopped short."""
+    status = state.get("status")
+    if status in ("finished", "completed"):
+        return "0:00"
+    eta = state.get("eta_s")
+    if eta is None or status in ("saved", "failed"):
+        return "-"
+    seconds = round(float(eta))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
+
+def rank_table(state: Mapping[str, Any]) -> Table:
+    """One row per rank: the columns of :data:`COLUMNS`."""
+    table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 2, 0, 0))
+    for name in COLUMNS:
+        table.add_column(name, justify="left" if name == "state" else "right", no_wrap=True)
+    for row in state.get("ranks") or []:
+        rank_state = str(row.get("state") or "-")
+        live = rank_state in ("training", "joined")
+        table.add_row(
+            f"rank {row.get('rank')}",
+            Text(rank_state, style=_STATE_STYLES.get(rank_state, "")),
+            str(row.get("batches") or 0),
+            _number(row.get("samples_per_s")) if live else "-",
+            str(row["window_batches"]) if live and row.get("window_batches") is not None else "-",
+            _percent(row.get("idle_share")),
+            _percent(row.get("averaging_share")),
+            _heartbeat(row.get("heartbeat_age_s")) if live else Text("-"),
+        )
+    return table
+
+
+def _heartbeat(age: Any) -> Text:
+    if not isinstance(age, int | float):
+        return Text("-")
+    return Text(f"{age:.1f}s ago", style="yellow" if age >= _SILENT_S else "")
+
+
+def _number(value: Any) -> str:
+    return "-" if not isinstance(value, int | float) else f"{value:,.0f}"
+
+
+def _percent(share: Any) -> str:
+    return "-" if not isinstance(share, int | float) else f"{100 * share:.1f}%"
+
+
+def _status_style(status: str) -> str:
+    if status in ("training", "completed", "finished"):
+        return "green"
+    if status == "saved":
+        return "yellow"
+    if status == "failed":
+        return "red"
+    return ""
