@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from flodl.observe.events import read_events
+
 pytestmark = pytest.mark.slow
 
 DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
@@ -22,7 +24,16 @@ def test_coordinator_and_two_workers_train_digits(tmp_path: Path) -> None:
     procs: list[subprocess.Popen[str]] = []
     try:
         coordinator = subprocess.Popen(
-            [*flodl, "coordinator", "--listen", "tcp://127.0.0.1:0", "--world-size", "2"],
+            [
+                *flodl,
+                "coordinator",
+                "--listen",
+                "tcp://127.0.0.1:0",
+                "--world-size",
+                "2",
+                "--run-dir",
+                str(tmp_path / "coordinator"),
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -71,6 +82,12 @@ def test_coordinator_and_two_workers_train_digits(tmp_path: Path) -> None:
     assert float(accuracies.pop()) > 0.85
     for rank in range(2):
         assert (tmp_path / f"host{rank}" / f"rank{rank}.json").exists()
+    # The coordinator keeps the run's history: every round, each with both ranks.
+    records = read_events(tmp_path / "coordinator" / "events.jsonl")
+    rounds = [r for r in records if r["kind"] == "SyncEnd"]
+    assert len(rounds) >= 3
+    assert all(list(r["ranks"]) == ["0", "1"] for r in rounds)
+    assert [r["kind"] for r in records][-1] == "Shutdown"
 
 
 def test_a_worker_without_a_session_key_refuses_to_start(tmp_path: Path) -> None:
