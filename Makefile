@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml
 	# Pinned CPU torch first: an unpinned `torch` would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# Debian's Chromium for the dashboard's browser test (it skips without): root only.
+	if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null; then \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium chromium-driver) \
+		|| echo "chromium not installed: tests/e2e/test_dashboard_browser.py will skip"; fi
 	touch $(STAMP)
 
 setup: $(STAMP)
