@@ -41,7 +41,7 @@ LOCK_NAME = "flodl.lock"
 # record at the top; the coordinator's meta and each rank's bundles under checkpoints/. Hidden
 # names are the temporary files of an atomic write a kill interrupted.
 _TOP = re.compile(
-    r"summary\.json|session\.key|coordinator\.sock|rank\d+\.(json|log)"
+    r"summary\.json|session\.key|coordinator\.sock|rank\d+\.(json|log)|events(\.\d+)?\.jsonl"
     r"|flodl\.rank\d+\.death\.json|\.rank\d+\.json\.\d+\.tmp"
 )
 _CHECKPOINTS = re.compile(r"coordinator\.meta\.json|\.coordinator\.meta\.json\.tmp-\d+-[0-9a-f]+")

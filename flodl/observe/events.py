@@ -24,12 +24,34 @@ import trio
 
 from flodl.core.timeline import TimelineEvent
 
-__all__ = ["EVENTS_NAME", "SCHEMA_VERSION", "EventLog", "event_record", "read_events"]
+__all__ = [
+    "EVENTS_NAME",
+    "SCHEMA_VERSION",
+    "EventLog",
+    "event_record",
+    "read_events",
+    "set_aside_earlier_log",
+]
 
 EVENTS_NAME = "events.jsonl"
 SCHEMA_VERSION = 1
 QUEUE_LIMIT = 10_000
 """Events waiting to be written before new ones are dropped (a few MB at most)."""
+
+
+def set_aside_earlier_log(run_dir: Path) -> Path | None:
+    """Rename an earlier run's ``events.jsonl`` in ``run_dir`` (a resumed run, a coordinator
+    folder used again) to ``events.<N>.jsonl``, N the next free number, so each log holds one
+    run's history. Returns the new name, or None when there was none."""
+    path = run_dir / EVENTS_NAME
+    if not path.exists():
+        return None
+    number = 1
+    while (run_dir / f"events.{number}.jsonl").exists():
+        number += 1
+    aside = run_dir / f"events.{number}.jsonl"
+    path.rename(aside)
+    return aside
 
 
 def _clean(value: Any) -> Any:

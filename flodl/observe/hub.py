@@ -19,7 +19,7 @@ from typing import Any
 import trio
 
 from flodl.core.timeline import TimelineEvent
-from flodl.observe.events import EVENTS_NAME, EventLog
+from flodl.observe.events import EVENTS_NAME, EventLog, set_aside_earlier_log
 from flodl.observe.state import RunView, is_notable
 
 __all__ = ["HISTORY_LIMIT", "Observer", "open_observer"]
@@ -111,13 +111,15 @@ class Observer:
 async def open_observer(
     coordinator: Any, run_dir: Path, clocks: tuple[float, float] | None = None
 ) -> AsyncIterator[Observer]:
-    """Observe ``coordinator`` for the block, writing ``run_dir/events.jsonl``.
+    """Observe ``coordinator`` for the block, writing ``run_dir/events.jsonl`` (an earlier
+    one there is renamed first: :func:`~flodl.observe.events.set_aside_earlier_log`).
 
     ``clocks``: (trio time, unix time) read together when the coordinator started (default:
     now). On exit, also by cancellation, the block waits until the event log has written
     everything queued, so an interrupted run still leaves its whole history.
     """
     clocks = clocks or (trio.current_time(), time.time())
+    set_aside_earlier_log(run_dir)
     log = EventLog(run_dir / EVENTS_NAME, clocks)
     observer = Observer(coordinator, log)
     async with trio.open_nursery() as nursery:

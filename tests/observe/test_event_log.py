@@ -190,3 +190,14 @@ async def test_a_sink_added_late_gets_the_events_so_far_then_each_new_one(
         await coordinator.wait_finished()
     assert early == list(range(len(coordinator.timeline)))
     assert late == early
+
+
+async def test_an_earlier_log_in_the_folder_is_set_aside_not_appended_to(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    (tmp_path / EVENTS_NAME).write_text('{"v":1,"seq":0,"kind":"Old"}\n')
+    (tmp_path / "events.1.jsonl").write_text('{"v":1,"seq":0,"kind":"Older"}\n')
+    records, _ = await observed_run(tmp_path, [RankScript(), RankScript()], dataset_size=200)
+    assert records[0]["kind"] == "RankJoined" and records[0]["seq"] == 0
+    assert read_events(tmp_path / "events.2.jsonl") == [{"v": 1, "seq": 0, "kind": "Old"}]
+    assert read_events(tmp_path / "events.1.jsonl")[0]["kind"] == "Older"
