@@ -58,7 +58,7 @@ class Mark:
 
 
 ROWS = ("deaths", "regroups", "rejoins", "redo rounds", "save asked", "saved")
-"""The timeline strip's rows, top to bottom (settled rounds are drawn below them)."""
+"""The timeline strip's rows, top to bottom (settled rounds are drawn above them)."""
 
 
 @attrs.frozen

@@ -19,6 +19,10 @@ from flodl.observe.history import ROWS, RunHistory
 __all__ = ["PLOTS", "Plot"]
 
 SIZE = (8.0, 3.6)
+MARKERS_UP_TO = 200
+"""A line with more points than this is drawn without markers (a long run's SVG stays small)."""
+LEGEND_UP_TO = 12
+"""More ranks than this: no legend (colours repeat after ten anyway)."""
 
 
 @attrs.frozen
@@ -62,9 +66,10 @@ def _per_rank_lines(
         ]
         if points:
             xs, ys = zip(*points, strict=True)
-            axes.plot(xs, ys, "o-", markersize=3, color=_color(rank), label=f"rank {rank}")
+            style = "o-" if len(points) <= MARKERS_UP_TO else "-"
+            axes.plot(xs, ys, style, markersize=3, color=_color(rank), label=f"rank {rank}")
             drawn = True
-    if drawn:
+    if drawn and len(history.ranks) <= LEGEND_UP_TO:
         axes.legend(loc="best", fontsize="small")
     return drawn
 
@@ -119,7 +124,8 @@ def round_time(history: RunHistory) -> Figure:
     if not rows:
         _no_data(axes, "no settled round")
         return figure
-    axes.plot([r.round for r in rows], [r.duration_s * 1000.0 for r in rows], "o-", markersize=3)
+    style = "o-" if len(rows) <= MARKERS_UP_TO else "-"
+    axes.plot([r.round for r in rows], [r.duration_s * 1000.0 for r in rows], style, markersize=3)
     redone = [r for r in rows if r.redo]
     if redone:
         axes.plot(
@@ -161,7 +167,7 @@ def loss(history: RunHistory) -> Figure:
 
 
 def timeline(history: RunHistory) -> Figure:
-    """Settled rounds as spans on the bottom row (redone ones red); deaths, regroups, rejoins,
+    """Settled rounds as spans on the top row (redone ones red); deaths, regroups, rejoins,
     redone rounds and saves as labelled markers on a row each; marks of a row close in time
     share one label."""
     figure, axes = _figure("Timeline", (8.0, 3.8))
@@ -202,7 +208,7 @@ def _grouped(history: RunHistory, within: float) -> list[tuple[str, float, list[
 
 
 PLOTS = (
-    Plot("timeline", "Timeline", "Settled rounds (bottom row), deaths, group re-formations, "
+    Plot("timeline", "Timeline", "Settled rounds (top row), deaths, group re-formations, "
          "rejoins, redone rounds, save requests and saves; dashed: shutdown.", timeline),
     Plot("samples_per_s", "Throughput", "Each rank's samples/s while it trained in a window "
          "(batch size over its ms per batch), at the start of the round closing it.",
