@@ -27,7 +27,10 @@ _STATE_STYLES = {
     "dead": "bold red",
     "left": "yellow",
     "done": "blue",
+    "stopped": "yellow",
 }
+_ENDED = ("finished", "completed", "saved", "failed")
+"""Run statuses after which no rank trains."""
 _SILENT_S = 3.0
 """A heartbeat older than this is shown in yellow (the rank may be stalling)."""
 
@@ -97,9 +100,13 @@ def rank_table(state: Mapping[str, Any]) -> Table:
     table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 2, 0, 0))
     for name in COLUMNS:
         table.add_column(name, justify="left" if name == "state" else "right", no_wrap=True)
+    ended = state.get("status") in _ENDED
     for row in state.get("ranks") or []:
         rank_state = str(row.get("state") or "-")
-        live = rank_state in ("training", "joined")
+        live = rank_state in ("training", "joined") and not ended
+        if ended and rank_state in ("training", "joined", "joining"):
+            # A run stopped short records no end per rank: say what is known.
+            rank_state = "done" if state.get("status") == "completed" else "stopped"
         table.add_row(
             f"rank {row.get('rank')}",
             Text(rank_state, style=_STATE_STYLES.get(rank_state, "")),
