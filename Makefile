@@ -35,7 +35,7 @@ test: lint typecheck unit
 # Four ranks train an MLP on scikit-learn's digits; rank 3 is made 2.5x slower. Each demo
 # writes a new folder under runs/ (runs/latest points at the newest), so earlier ones stay.
 demo: $(STAMP)
-	$(BIN)/flodl run --nproc 4 examples/digits.py --slow 3:2.5
+	$(BIN)/flodl run --report --nproc 4 examples/digits.py --slow 3:2.5
 
 wire-demo: $(STAMP)
 	$(BIN)/python examples/wire_demo.py
