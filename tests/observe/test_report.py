@@ -186,6 +186,12 @@ def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(argv, process.returncode, out, None)
 
 
+def _rank_pids(run_dir: Path) -> set[int]:
+    """Every rank process the run started (chaos_rank.py notes each one as it starts)."""
+    folder = run_dir / "chaos" / "pids"
+    return {int(p.name.split(".")[1]) for p in folder.iterdir()} if folder.is_dir() else set()
+
+
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A 3-rank digits run whose rank 2 SIGKILLs itself 0.3 s into its third averaging round
@@ -194,14 +200,18 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     argv = [*FLODL, "run", "--nproc", "3", "--run-dir", str(run_dir), "--no-live"]
     argv += ["--heartbeat-timeout", "5", str(CHAOS_RANK), "--epochs", "4"]
     argv += ["--fault", f"{VICTIM}:kill-collective:3"]
-    ran = _run(argv, timeout=90)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    # Every epoch done by the survivors; the exit status is 1 all the same: a rank did not
-    # exit 0.
-    assert (ran.returncode, summary["status"]) == (1, "completed"), ran.stdout
-    pids = {int(r["pid"]) for r in summary["ranks"]}
-    pids |= {int(p.name.split(".")[1]) for p in (run_dir / "chaos" / "pids").iterdir()}
-    assert len(pids) == 3 and not [pid for pid in pids if _alive(pid)]
+    try:
+        ran = _run(argv, timeout=90)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        # Every epoch done by the survivors; the exit status is 1 all the same: a rank did not
+        # exit 0.
+        assert (ran.returncode, summary["status"]) == (1, "completed"), ran.stdout
+        pids = {int(r["pid"]) for r in summary["ranks"]} | _rank_pids(run_dir)
+        assert len(pids) == 3 and not [pid for pid in pids if _alive(pid)]
+    finally:
+        for pid in _rank_pids(run_dir):  # a failed run's ranks live in sessions of their own
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
     report = _run([*FLODL, "report", str(run_dir), "--tensorboard", str(run_dir / "tb")], 60)
     assert report.returncode == 0, report.stdout
     (run_dir / "report.out").write_text(report.stdout)
