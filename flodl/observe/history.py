@@ -90,7 +90,8 @@ class RunHistory:
 
 def load_history(run_dir: Path) -> RunHistory:
     """Read ``run_dir/events.jsonl``. Raises ConfigError naming the path when the file is
-    missing, empty or not an event log."""
+    missing, empty or not an event log (a line that is not JSON, a record missing a key the
+    report needs)."""
     path = run_dir / EVENTS_NAME
     if not path.is_file():
         raise ConfigError(f"no event log at {path} (is {run_dir} a flodl run folder?)")
@@ -101,17 +102,33 @@ def load_history(run_dir: Path) -> RunHistory:
     records = [r for r in records if "kind" in r]
     if not records:
         raise ConfigError(f"the event log {path} is empty: the run recorded no events")
-    rounds = [_round(r) for r in records if r["kind"] == "SyncEnd" and "round" in r]
-    epochs = [
-        (int(r["epoch"]), float(r["avg_loss"]), float(r["t"]), float(r["unix"]))
-        for r in records
-        if r["kind"] == "EpochAggregated" and r.get("avg_loss") is not None
-    ]
+    rounds: list[RoundRow] = []
+    epochs: list[tuple[int, float, float, float]] = []
+    marks: list[Mark] = []
+    started: list[int] = []
+    dropped = 0
+    for record in records:
+        kind = record["kind"]
+        try:
+            if kind == "SyncEnd" and "round" in record:
+                rounds.append(_round(record))
+            elif kind == "SyncStart" and "round" in record:
+                started.append(int(record["round"]))
+            elif kind == "EpochAggregated" and record.get("avg_loss") is not None:
+                t, unix = float(record["t"]), float(record["unix"])
+                epochs.append((int(record["epoch"]), float(record["avg_loss"]), t, unix))
+            elif kind == "EventsDropped":
+                dropped += int(record.get("count", 0))
+            if (mark := _mark(record)) is not None:
+                marks.append(mark)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            where = f"seq {record.get('seq')}"
+            raise ConfigError(
+                f"{path}: the {kind} event ({where}) is not as flodl writes it: "
+                f"{type(err).__name__}: {err}"
+            ) from None
     ranks = sorted({rank for row in rounds for rank in row.ranks})
-    dropped = sum(int(r.get("count", 0)) for r in records if r["kind"] == "EventsDropped")
-    marks = [m for r in records if (m := _mark(r)) is not None]
     settled = {row.round for row in rounds}
-    started = [int(r["round"]) for r in records if r["kind"] == "SyncStart" and "round" in r]
     unsettled = [n for n in started if n not in settled]
     return RunHistory(path, records, rounds, epochs, marks, ranks, dropped, unsettled)
 

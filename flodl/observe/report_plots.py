@@ -75,6 +75,7 @@ def _per_rank_lines(
 
 
 def samples_per_s(history: RunHistory) -> Figure:
+    """Per rank, its samples/s in each window over time (a line per rank)."""
     figure, axes = _figure("Throughput per rank while training")
     axes.set_xlabel("time since the coordinator started (s)")
     axes.set_ylabel("samples/s")
@@ -84,6 +85,7 @@ def samples_per_s(history: RunHistory) -> Figure:
 
 
 def batches(history: RunHistory) -> Figure:
+    """Per rank, the batches it ran in each round's window, over the round number."""
     figure, axes = _figure("Batches per rank in each round's window")
     axes.set_xlabel("round")
     axes.set_ylabel("batches")
@@ -117,6 +119,8 @@ def shares(history: RunHistory) -> Figure:
 
 
 def round_time(history: RunHistory) -> Figure:
+    """Each settled round's duration (ms) over its number; redone rounds marked, rounds
+    that never settled drawn as dotted lines."""
     figure, axes = _figure("Averaging round time")
     axes.set_xlabel("round")
     axes.set_ylabel("SyncNow to last ack (ms)")
@@ -147,6 +151,7 @@ def round_time(history: RunHistory) -> Figure:
 
 
 def divergence(history: RunHistory) -> Figure:
+    """Per rank, its divergence at each round it reported one."""
     figure, axes = _figure("Divergence from the average per rank")
     axes.set_xlabel("round")
     axes.set_ylabel("||pre - post|| / ||post|| (ratio)")
@@ -156,6 +161,7 @@ def divergence(history: RunHistory) -> Figure:
 
 
 def loss(history: RunHistory) -> Figure:
+    """The average training loss of each aggregated epoch."""
     figure, axes = _figure("Training loss per epoch")
     axes.set_xlabel("epoch")
     axes.set_ylabel("average training loss")

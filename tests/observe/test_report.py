@@ -70,6 +70,15 @@ def test_a_malformed_line_is_a_config_error(tmp_path: Path) -> None:
         write_report(tmp_path)
 
 
+def test_a_record_missing_a_key_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    log = records(death=False)
+    (end,) = [r for r in log if r["kind"] == "SyncEnd" and r["round"] == 2]
+    del end["unix"]
+    write_log(tmp_path, log)
+    with pytest.raises(ConfigError, match=rf"the SyncEnd event \(seq {end['seq']}\) is not as"):
+        write_report(tmp_path)
+
+
 def test_flodl_report_on_a_folder_without_a_log_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
