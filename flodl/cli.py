@@ -259,7 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     worker.add_argument("--policy", choices=[p.value for p in Policy], default="cadence")
     worker.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S")
-    worker.add_argument("--host", default="127.0.0.1", help="this host's address for peers")
+    worker.add_argument(
+        "--host",
+        default=None,
+        help="this host's address for its peers (default: the address this host reaches the "
+        "coordinator from)",
+    )
     worker.add_argument(
         "--run-dir",
         type=Path,
@@ -383,7 +388,7 @@ def _worker(args: argparse.Namespace) -> int:
     if args.rank >= args.world_size:
         raise ConfigError(f"--rank must be below --world-size ({args.world_size}), got {args.rank}")
     check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
-    if not args.host.strip():
+    if args.host is not None and not args.host.strip():
         raise ConfigError("--host must not be empty")
     check_script(args.script)
     check_backend_on_host(args.backend, 1)

@@ -90,8 +90,11 @@ class Backend(Protocol):
         """On the generator: host what members need for ``generation``; return its info bytes."""
         ...
 
-    async def join_group(self, info: bytes, rank: int, world_size: int, generation: int) -> None:
-        """Build and join group ``generation`` as ``rank`` of ``world_size``."""
+    async def join_group(
+        self, info: bytes, rank: int, world_size: int, generation: int, host: str
+    ) -> None:
+        """Build and join group ``generation`` as ``rank`` of ``world_size``; ``host`` is this
+        rank's address for its peers (gloo listens there)."""
         ...
 
     async def average(

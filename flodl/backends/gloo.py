@@ -6,6 +6,7 @@ ended by its per-op timeout (``AllreduceOptions.timeout``) while its thread is l
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -18,14 +19,34 @@ from flodl.backends.pipeline import PendingOp
 from flodl.backends.torch_backend import Comm, TorchDistBackend
 
 
+def gloo_device(host: str) -> Any:
+    """Where this rank's gloo pairs listen: the interface ``GLOO_SOCKET_IFNAME`` names when set
+    (as torch does), else ``host``, the address its peers reach it at. Left to gloo (which
+    resolves this machine's host name, often to a loopback address) it would advertise an
+    address other hosts cannot reach."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface)
+    return dist.ProcessGroupGloo.create_device(hostname=host)
+
+
 class GlooComm:
     """A gloo group built directly on a store (no global default group)."""
 
-    def __init__(self, store: Store, rank: int, world_size: int, op_timeout: float) -> None:
+    def __init__(
+        self, store: Store, rank: int, world_size: int, op_timeout: float, host: str = ""
+    ) -> None:
         self._timeout = timedelta(seconds=op_timeout)
-        self._pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
-            store, rank, world_size, self._timeout
-        )
+        if host or os.environ.get("GLOO_SOCKET_IFNAME"):
+            group_class: Any = dist.ProcessGroupGloo  # the stubs omit _Options
+            options = group_class._Options()
+            options._devices = [gloo_device(host)]
+            options._timeout = self._timeout
+            self._pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
+                store, rank, world_size, options
+            )
+        else:
+            self._pg = dist.ProcessGroupGloo(store, rank, world_size, self._timeout)
 
     def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
         self.start_allreduce(tensor, op).wait()
@@ -60,8 +81,8 @@ class GlooBackend(TorchDistBackend):
     """On CPU the copy into the parameters is a whole pass over the model after the collective,
     the one part of a round nothing overlaps; views of the averaged buffer cost nothing."""
 
-    def _make_comm(self, store: Store, rank: int, world_size: int) -> Comm:
-        comm = GlooComm(store, rank, world_size, self.op_timeout)
+    def _make_comm(self, store: Store, rank: int, world_size: int, host: str) -> Comm:
+        comm = GlooComm(store, rank, world_size, self.op_timeout, host)
         # The loop that ends each round loads here, in the joining thread, before training
         # starts (~0.5 s, once per process): loading it in the background would compete with
         # the first second of training and raise the fast ranks' idle share (figures in

@@ -128,6 +128,6 @@ class NcclBackend(TorchDistBackend):
         self.device = torch.device(device)
         os.environ.setdefault(ERROR_HANDLING_ENV, "2")
 
-    def _make_comm(self, store: Store, rank: int, world_size: int) -> Comm:
+    def _make_comm(self, store: Store, rank: int, world_size: int, host: str) -> Comm:
         torch.cuda.set_device(self.device)
         return NcclComm(store, rank, world_size, self.op_timeout, self.device)

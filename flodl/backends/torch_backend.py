@@ -206,7 +206,9 @@ class TorchDistBackend:
 
     # --- subclass hooks -------------------------------------------------------------------
 
-    def _make_comm(self, store: Store, rank: int, world_size: int) -> Comm:
+    def _make_comm(self, store: Store, rank: int, world_size: int, host: str) -> Comm:
+        """The group's communicator; ``host``: this rank's address for its peers ("" for the
+        library's default)."""
         raise NotImplementedError
 
     # --- state ----------------------------------------------------------------------------
@@ -267,7 +269,9 @@ class TorchDistBackend:
         self._hosted[generation] = store
         return info.encode()
 
-    async def join_group(self, info: bytes, rank: int, world_size: int, generation: int) -> None:
+    async def join_group(
+        self, info: bytes, rank: int, world_size: int, generation: int, host: str = ""
+    ) -> None:
         """Build and join group ``generation``; the previous one is retired (its ops abandoned).
 
         Blocks until every member has joined (gloo; NCCL connects eagerly where supported) or
@@ -287,7 +291,7 @@ class TorchDistBackend:
 
         def build() -> Comm:
             store = connect_store(parsed, timeout)
-            return self._make_comm(store, rank, world_size)
+            return self._make_comm(store, rank, world_size, host)
 
         try:
             comm = await trio.to_thread.run_sync(

@@ -37,7 +37,9 @@ class WorkerConfig:
     heartbeat_interval: float = 1.0
     run_dir: Path = attrs.field(default=Path("."), converter=Path)
     seed: int = 0
-    host: str = "127.0.0.1"
+    host: str | None = None
+    """The address other ranks reach this one at; None: this host's address on its connection
+    to the coordinator."""
     op_timeout: float | None = None
     """None: ``max(30, 2 x heartbeat_timeout)`` (see :attr:`collective_timeout`)."""
     resume: Path | None = None

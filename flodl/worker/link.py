@@ -6,6 +6,7 @@ nursery); what a message means is the rank machine's business, not theirs.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 
 import trio
@@ -17,7 +18,18 @@ from flodl.wire.messages import Heartbeat, Message
 from flodl.worker.config import WorkerConfig
 from flodl.worker.outbox import Outbox
 
-__all__ = ["beat", "open_channel", "receive_until_lost"]
+__all__ = ["beat", "local_address", "open_channel", "receive_until_lost"]
+
+
+def local_address(stream: trio.abc.Stream) -> str:
+    """This host's address on the connection ``stream`` (the interface that reaches the
+    coordinator, so its peers can reach this rank there too); 127.0.0.1 for a stream that is
+    not an IP socket (unix://, memory://)."""
+    sock = getattr(stream, "socket", None)
+    if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
+        address: str = sock.getsockname()[0]
+        return address
+    return "127.0.0.1"
 
 
 async def open_channel(config: WorkerConfig) -> Channel:

@@ -50,6 +50,9 @@ class GroupMembership:
         self.doomed = -1
         self._join_scope: trio.CancelScope | None = None
         self._sessions_send, self._sessions = trio.open_memory_channel[NewGroupSession](math.inf)
+        self.host = "127.0.0.1"
+        """This rank's address for its peers: where it hosts a group's store, where gloo
+        listens (set once the connection to the coordinator shows which address that is)."""
 
     def announce(self, session: NewGroupSession) -> None:
         """Queue ``session`` for joining; a join of an older generation in progress stops."""
@@ -58,11 +61,11 @@ class GroupMembership:
             self._join_scope.cancel()
         self._sessions_send.send_nowait(session)
 
-    def prepare(self, request: RequestNewGroup, host: str) -> Message:
+    def prepare(self, request: RequestNewGroup) -> Message:
         """Host generation ``request.generation``: NewGroupReady with its rendezvous info, or
         a Note saying why this rank cannot (the coordinator then asks another)."""
         try:
-            info = self._backend.prepare_group(request.generation, host)
+            info = self._backend.prepare_group(request.generation, self.host)
         except BackendError as err:
             log.warning("rank %d: cannot host group %d: %s", self._rank, request.generation, err)
             return Note(rank=self._rank, detail=str(err)[:200])
@@ -94,7 +97,11 @@ class GroupMembership:
                 self._join_scope = scope
                 try:
                     await self._backend.join_group(
-                        session.info, session.new_rank, session.new_world_size, session.generation
+                        session.info,
+                        session.new_rank,
+                        session.new_world_size,
+                        session.generation,
+                        self.host,
                     )
                     self.joined = session.generation
                     self.group_rank = session.new_rank

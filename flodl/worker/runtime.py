@@ -62,7 +62,7 @@ from flodl.wire.messages import (
 )
 from flodl.worker.assignment import Assignment
 from flodl.worker.config import WorkerConfig
-from flodl.worker.link import beat, open_channel, receive_until_lost
+from flodl.worker.link import beat, local_address, open_channel, receive_until_lost
 from flodl.worker.membership import GroupMembership
 from flodl.worker.outbox import Outbox
 from flodl.worker.persist import restore_rank_bundle
@@ -274,7 +274,7 @@ class Worker:
                 log.info("rank %d: rank %d declared dead; abandoning its group", self.rank, dead)
                 self._membership.doom()
             elif isinstance(effect, PrepareGroup):
-                self._outbox.put(self._membership.prepare(effect.request, self.config.host))
+                self._outbox.put(self._membership.prepare(effect.request))
             elif isinstance(effect, JoinGroup):
                 self._membership.announce(effect.session)
             elif isinstance(effect, GiveUp):
@@ -429,6 +429,7 @@ async def open_worker(
                 restore_rank_bundle, config.resume, config.rank, model, optimizer
             )
         worker._channel = worker._outbox.channel = await open_channel(config)
+        worker._membership.host = config.host or local_address(worker._channel.stream)
         worker._started_at = trio.current_time()
         async with trio.open_nursery() as nursery:
             worker._start_tasks(nursery)

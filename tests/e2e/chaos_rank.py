@@ -180,9 +180,11 @@ class ChaosBackend:
         self.chaos.event("prepared", generation)
         return info
 
-    async def join_group(self, info: bytes, rank: int, world_size: int, generation: int) -> None:
+    async def join_group(
+        self, info: bytes, rank: int, world_size: int, generation: int, host: str = ""
+    ) -> None:
         self.chaos.event("join", generation)
-        await self.inner.join_group(info, rank, world_size, generation)
+        await self.inner.join_group(info, rank, world_size, generation, host)
         self.chaos.generation = self.inner.generation
         self.chaos.event("joined", generation)
 

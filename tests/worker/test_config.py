@@ -56,7 +56,7 @@ def test_defaults() -> None:
     assert config.local_rank == 1  # LOCAL_RANK defaults to RANK
     assert config.backend == "auto" and config.policy is Policy.CADENCE
     assert (config.heartbeat_timeout, config.heartbeat_interval) == (10.0, 1.0)
-    assert config.run_dir == Path(".") and config.seed == 0 and config.host == "127.0.0.1"
+    assert config.run_dir == Path(".") and config.seed == 0 and config.host is None
     assert config.collective_timeout == 30.0  # max(30, 2 x 10)
     assert WorkerConfig.from_env(env(FLODL_HEARTBEAT_TIMEOUT="40")).collective_timeout == 80.0
     assert config.resume is None and not config.debug_param_hashes
