@@ -34,12 +34,15 @@ from flodl.observe.terminal import PlainLines
 from flodl.observe.terminal_lines import EventLines
 from flodl.observe.terminal_table import render
 
-__all__ = ["MIN_GAP_S", "RECENT_EVENTS", "REFRESH_S", "LiveView"]
+__all__ = ["LINES_PER_DRAW", "MIN_GAP_S", "RECENT_EVENTS", "REFRESH_S", "LiveView"]
 
 REFRESH_S = 0.25
 """Longest time between redraws (heartbeat ages and the ETA move on without news)."""
 MIN_GAP_S = 0.1
 """Shortest time between redraws, however much news arrives."""
+LINES_PER_DRAW = 1000
+"""Lines printed per redraw at most (about 0.1 s of the event loop): a burst of output is
+printed over several redraws, the coordinator's tasks running in between."""
 RECENT_EVENTS = 4
 """Event lines shown under the table (all of them also scroll by above it)."""
 
@@ -105,15 +108,20 @@ class LiveView:
 
     # --- drawing ----------------------------------------------------------------------------
 
-    def paint(self) -> None:
-        """Draw the current state below the lines that arrived since the last redraw."""
+    def paint(self, *, every_line: bool = False) -> None:
+        """Draw the current state below the lines that arrived since the last redraw (at most
+        :data:`LINES_PER_DRAW` of them unless ``every_line``)."""
         due = self.lines.due
         if due is not None and due <= trio.current_time():
             self._emit(self.lines.flush())
         view = render(self.observer.state(), list(self.events), width=self.console.width)
         # Live draws what it was last refreshed with, also below printed lines: refresh first.
         self.live.update(view, refresh=True)
-        pending, self._pending = self._pending, []
+        count = len(self._pending) if every_line else LINES_PER_DRAW
+        pending = self._pending[:count]
+        del self._pending[:count]
+        if self._pending:
+            self._wake.set()  # the rest at the next redraw
         if pending:  # printed above the table (redrawn below them): once for the whole batch
             self.console.print(Text("\n").join(pending), soft_wrap=True)
 
@@ -169,7 +177,7 @@ class LiveView:
         try:
             if self.failure is None:
                 self._emit(self.lines.flush())
-                self.paint()
+                self.paint(every_line=True)
         except Exception as err:
             self.failure = err
         finally:

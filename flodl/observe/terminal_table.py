@@ -1,8 +1,8 @@
 """What the live terminal view draws, from the run's state (:meth:`Observer.state`): pure.
 
-A header line (status, round, generation, epoch, policy, total samples/s, last loss), a
-progress bar with the ETA, a table with one row per rank, and the last few event lines. Only
-the live view imports this module (it imports rich).
+A header line (status, round, generation, epoch, policy), a progress bar with the ETA, the
+total samples/s and the last epoch's loss, a table with one row per rank, and the last few
+event lines. Only the live view imports this module (it imports rich).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def render(state: Mapping[str, Any], events: Sequence[str] = (), width: int = 10
 
 
 def header(state: Mapping[str, Any]) -> Text:
-    """``flodl  training  round 12  generation 1  epoch 3/8  cadence  2,345 samples/s ...``"""
+    """``flodl  training   round 12  generation 1  epoch 3/8  policy cadence``"""
     text = Text("flodl ", style="bold")
     status = str(state.get("status") or "joining")
     text.append(f" {status} ", style="reverse " + _status_style(status))
@@ -57,10 +57,7 @@ def header(state: Mapping[str, Any]) -> Text:
         ("generation", str(state.get("generation", 0))),
         ("epoch", epoch_text),
         ("policy", str(state.get("policy") or "-")),
-        ("samples/s", _number(state.get("samples_per_s"))),
     ]
-    if state.get("last_loss") is not None:
-        fields.append(("loss", f"{state['last_loss']:.4f}"))
     for name, value in fields:
         text.append(f"  {name} ", style="dim")
         text.append(value, style="bold")
@@ -68,15 +65,25 @@ def header(state: Mapping[str, Any]) -> Text:
 
 
 def progress(state: Mapping[str, Any], width: int = 100) -> Table:
-    """A bar of the share of the run's batches done, with the percentage and the ETA."""
+    """A bar of the share of the run's batches done, then the percentage, the ETA, the total
+    samples/s of the live ranks and the last epoch's loss: ``37.5%  ETA 1:23  2,346
+    samples/s  loss 0.1234``."""
     share = state.get("progress")
+    done = 0.0 if share is None else float(share)
+    text = Text(f"{100 * done:5.1f}%", style="bold")
+    text.append("  ETA ", style="dim")
+    text.append(eta_text(state), style="bold")
+    text.append(f"  {_number(state.get('samples_per_s'))}", style="bold")
+    text.append(" samples/s", style="dim")
+    if isinstance(state.get("last_loss"), int | float):
+        text.append("  loss ", style="dim")
+        text.append(f"{state['last_loss']:.4f}", style="bold")
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
     grid.add_column(no_wrap=True)
-    done = 0.0 if share is None else float(share)
-    bar_width = max(min(width - 30, 60), 10)
-    bar = ProgressBar(total=1.0, completed=done, width=bar_width)
-    grid.add_row(bar, Text(f"{100 * done:5.1f}%  ETA {eta_text(state)}", style="bold"))
+    # The bar takes what the figures leave of the line (they need about 50 columns).
+    bar = ProgressBar(total=1.0, completed=done, width=max(min(width - 52, 60), 10))
+    grid.add_row(bar, text)
     return grid
 
 

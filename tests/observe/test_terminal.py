@@ -113,8 +113,7 @@ def test_the_header_and_progress_say_where_the_run_is() -> None:
     (header,) = [line for line in text.splitlines() if line.startswith("flodl")]
     for part in ("training", "round 12", "generation 1", "epoch 3/8", "policy cadence"):
         assert part in header
-    assert "samples/s 2,346" in header and "loss 0.1234" in header
-    assert " 37.5%  ETA 1:23" in text
+    assert " 37.5%  ETA 1:23  2,346 samples/s  loss 0.1234" in text
     assert "━" in text  # the bar
 
 
@@ -213,15 +212,20 @@ DYING = [
 ]
 
 
-async def shown(tmp_path: Path, views: ViewConfig, scripts: list[RankScript]) -> None:
+async def shown(
+    tmp_path: Path, views: ViewConfig, scripts: list[RankScript], burst: int = 0
+) -> None:
     """Run ``scripts`` to the end with ``views`` up; a rank-output line is printed through
-    :func:`say` before the run, and another once the views have gone."""
+    :func:`say` before the run (``burst`` more after it), and another once the views have
+    gone."""
     async with open_cluster(scripts, dataset_size=2000) as cluster:
         coordinator = cluster.coordinator
         async with open_observer(coordinator, tmp_path) as observer:
             async with trio.open_nursery() as nursery:
                 await nursery.start(show, observer, views)
                 assert say("[rank 0] hello from rank 0")
+                for number in range(burst):
+                    say(f"[rank 1] line {number}")
                 await coordinator.wait_finished()
                 await cluster.wait_ranks_done()
                 nursery.cancel_scope.cancel()
@@ -274,6 +278,16 @@ async def test_the_live_view_prints_lines_above_the_table_and_gives_the_terminal
     assert "shutdown: all epochs done" in plain[last_frame:]  # and among the last events
     assert out.endswith("[rank 0] after the view\n")
     assert "dead" in plain[last_frame:] and "done" in plain[last_frame:]
+
+
+async def test_a_burst_of_output_is_printed_whole_and_in_order(
+    autojump_clock: MockClock, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    burst = 2 * terminal_live.LINES_PER_DRAW + 10  # over several redraws
+    await shown(tmp_path, ViewConfig(live=True), DYING, burst=burst)
+    plain = ANSI.sub("", capsys.readouterr().out)
+    numbers = [int(line.split()[-1]) for line in plain.splitlines() if "[rank 1] line" in line]
+    assert numbers == list(range(burst))
 
 
 async def test_a_live_view_that_cannot_draw_goes_on_as_plain_lines(
