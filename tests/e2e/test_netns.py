@@ -1,0 +1,145 @@
+"""Two hosts for real: the coordinator and rank 0 in one network namespace, ranks 1 and 2 in
+another, joined by a veth pair with addresses from 198.51.100.0/24 (a documentation range).
+Nothing reaches across on loopback, so every address a process hands out must be one its
+peers can reach. Digits trains across them, and a SIGKILL of a rank on the far host is
+recovered from. Needs root and ``ip`` (CI has both); skips otherwise."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flodl.observe.events import read_events
+
+pytestmark = pytest.mark.slow
+
+DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
+NEAR, FAR = "198.51.100.1", "198.51.100.2"
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[tuple[str, str]]:
+    """Two namespaces joined by a veth pair; every process in them is killed at the end."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2's `ip` to create network namespaces")
+    tag = f"{os.getpid() % 100000}"
+    near, far = f"flodl-a{tag}", f"flodl-b{tag}"
+    try:
+        ip("netns", "add", near)
+    except subprocess.CalledProcessError as err:
+        pytest.skip(f"cannot create a network namespace here: {err.stderr.decode().strip()}")
+    try:
+        ip("netns", "add", far)
+        ip("link", "add", f"fa{tag}", "type", "veth", "peer", "name", f"fb{tag}")
+        ip("link", "set", f"fa{tag}", "netns", near)
+        ip("link", "set", f"fb{tag}", "netns", far)
+        ip("-n", near, "addr", "add", f"{NEAR}/24", "dev", f"fa{tag}")
+        ip("-n", far, "addr", "add", f"{FAR}/24", "dev", f"fb{tag}")
+        for ns, dev in ((near, f"fa{tag}"), (far, f"fb{tag}")):
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "link", "set", dev, "up")
+        yield near, far
+    finally:
+        for ns in (near, far):
+            pids = subprocess.run(
+                ["ip", "netns", "pids", ns], capture_output=True, text=True, check=False
+            ).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+def in_ns(ns: str, *command: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    # `ip netns exec` execs the command, so the Popen's pid is the process itself.
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, *command],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_digits_trains_across_two_hosts_and_survives_a_far_sigkill(
+    two_hosts: tuple[str, str], tmp_path: Path
+) -> None:
+    near, far = two_hosts
+    env = dict(os.environ, FLODL_SESSION_KEY=secrets.token_hex(32), PYTHONUNBUFFERED="1")
+    flodl = [sys.executable, "-m", "flodl.cli"]
+    url = f"tcp://{NEAR}:29400"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        coordinator = in_ns(
+            near,
+            *flodl,
+            "coordinator",
+            "--listen",
+            url,
+            "--world-size",
+            "3",
+            "--run-dir",
+            str(tmp_path / "coordinator"),
+            "--heartbeat-timeout",
+            "5",
+            env=env,
+        )
+        procs.append(coordinator)
+        assert coordinator.stdout is not None
+        assert url in coordinator.stdout.readline()
+        for rank, ns in ((0, near), (1, far), (2, far)):
+            worker = [*flodl, "worker", "--coordinator", url, "--rank", str(rank)]
+            worker += ["--world-size", "3", "--heartbeat-timeout", "5"]
+            worker += ["--run-dir", str(tmp_path / ns), str(DIGITS), "--epochs", "4"]
+            procs.append(in_ns(ns, *worker, env=env))
+        doomed = procs[3]
+        assert doomed.stdout is not None
+        seen = []
+        for line in doomed.stdout:  # rank 2, on the far host, trains into its second epoch
+            seen.append(line)
+            if "epoch 1 started" in line:
+                break
+        else:
+            pytest.fail("rank 2 never reached epoch 1:\n" + "".join(seen))
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(timeout=10)
+        outputs = [p.communicate(timeout=180)[0] for p in procs[1:3]]
+        rest, _ = coordinator.communicate(timeout=60)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+    assert [procs[1].returncode, procs[2].returncode, coordinator.returncode] == [0, 0, 0], (
+        outputs,
+        rest,
+    )
+    assert doomed.returncode == -signal.SIGKILL
+    assert "flodl: run completed" in rest
+    accuracies = {re.search(r"test accuracy (\d\.\d+)", out).group(1) for out in outputs}  # type: ignore[union-attr]
+    assert len(accuracies) == 1  # the survivors, one model
+    assert float(accuracies.pop()) > 0.85
+    records = read_events(tmp_path / "coordinator" / "events.jsonl")
+    (dead,) = [r for r in records if r["kind"] == "RankDead"]
+    assert dead["rank"] == 2 and dead["cause"] == "disconnected"
+    (reformed,) = [r for r in records if r["kind"] == "GroupReformed"]
+    assert reformed["members"] == [0, 1] and reformed["took_s"] < 5.0
+    after = [r for r in records if r["kind"] == "SyncEnd" and r["generation"] == 1]
+    assert after and all(list(r["ranks"]) == ["0", "1"] for r in after)
