@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -57,25 +58,18 @@ def environment() -> dict[str, str]:
     return env
 
 
-def run_on_terminal(run_dir: Path, *args: str, columns: int = 120, rows: int = 40) -> Finished:
-    """Run ``flodl run`` with stdout and stderr on a new pseudo-terminal of this size."""
+def run_on_terminal(
+    run_dir: Path,
+    *args: str,
+    columns: int = 120,
+    rows: int = 40,
+    interrupt_at: re.Pattern[str] | None = None,
+) -> Finished:
+    """Run ``flodl run`` with stdout and stderr on a new pseudo-terminal of this size;
+    ``interrupt_at``: send it SIGINT (as Ctrl-C would) once its output matches this."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     chunks: list[bytes] = []
-
-    def read() -> None:
-        # Until every writer has closed the terminal: EIO on Linux, b"" elsewhere.
-        while True:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            chunks.append(chunk)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
     try:
         process = subprocess.Popen(
             flodl_command(run_dir, *args),
@@ -87,6 +81,26 @@ def run_on_terminal(run_dir: Path, *args: str, columns: int = 120, rows: int = 4
         )
     finally:
         os.close(slave)
+
+    def read() -> None:
+        # Until every writer has closed the terminal: EIO on Linux, b"" elsewhere.
+        waiting = interrupt_at
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+            if waiting is not None:
+                tail = ANSI.sub("", b"".join(chunks)[-16384:].decode(errors="replace"))
+                if waiting.search(tail):
+                    process.send_signal(signal.SIGINT)
+                    waiting = None
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         code = process.wait(timeout=LIMIT_S)
     finally:

@@ -346,6 +346,20 @@ def test_on_a_terminal_the_live_table_shows_above_the_summary(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+def test_ctrl_c_under_the_live_table_saves_and_gives_the_terminal_back(tmp_path: Path) -> None:
+    args = ("--nproc", "2", str(DIGITS), "--epochs", "200", "--slow", "1:3")
+    run = run_on_terminal(tmp_path / "run", *args, interrupt_at=re.compile(r"round [2-9]"))
+    assert run.code == 0, run.plain  # stopped on request, every bundle saved
+    assert "flodl: SIGINT: every rank saves its bundle, then stops" in run.plain
+    assert "flodl: run saved (saved: GRACEFUL)" in run.plain
+    assert_no_rank_left(run)
+    assert run.output.rindex("\x1b[?25h") > run.output.rindex("\x1b[?25l")
+    summary_at = run.output.index("flodl: run saved")
+    assert ANSI.search(run.output[summary_at:]) is None
+    assert "stopped" in run.plain[run.plain.rindex("heartbeat") : run.plain.index("run saved")]
+
+
+@pytest.mark.slow
 def test_on_a_pipe_plain_lines(tmp_path: Path) -> None:
     run = run_on_pipe(tmp_path / "run", *SMALL)
     assert run.code == 0, run.output
