@@ -114,7 +114,8 @@ class LiveView:
         due = self.lines.due
         if due is not None and due <= trio.current_time():
             self._emit(self.lines.flush())
-        view = render(self.observer.state(), list(self.events), width=self.console.width)
+        width, height = self.console.size
+        view = render(self.observer.state(), list(self.events), width=width, height=height)
         # Live draws what it was last refreshed with, also below printed lines: refresh first.
         self.live.update(view, refresh=True)
         count = len(self._pending) if every_line else LINES_PER_DRAW

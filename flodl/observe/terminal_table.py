@@ -35,10 +35,18 @@ _SILENT_S = 3.0
 """A heartbeat older than this is shown in yellow (the rank may be stalling)."""
 
 
-def render(state: Mapping[str, Any], events: Sequence[str] = (), width: int = 100) -> Group:
+def render(
+    state: Mapping[str, Any],
+    events: Sequence[str] = (),
+    width: int = 100,
+    height: int | None = None,
+) -> Group:
     """The whole view for ``state``: header, progress, rank table, then ``events`` (the last
-    few event lines, oldest first). ``width``: the columns the progress bar may use."""
-    parts: list[RenderableType] = [header(state), progress(state, width), rank_table(state)]
+    few event lines, oldest first). ``width``: the columns the progress bar may use;
+    ``height``: the lines the view may take (ranks that do not fit are counted in one line
+    by state instead of shown); None: no limit."""
+    rows = None if height is None else max(height - 4 - len(events), 1)
+    parts: list[RenderableType] = [header(state), progress(state, width), rank_table(state, rows)]
     if events:
         parts.append(Text("\n".join(events), style="dim", no_wrap=True, overflow="ellipsis"))
     return Group(*parts)
@@ -102,18 +110,21 @@ def eta_text(state: Mapping[str, Any]) -> str:
     return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
 
 
-def rank_table(state: Mapping[str, Any]) -> Table:
-    """One row per rank: the columns of :data:`COLUMNS`."""
+def rank_table(state: Mapping[str, Any], rows: int | None = None) -> RenderableType:
+    """One row per rank: the columns of :data:`COLUMNS`. ``rows``: the most lines the rows
+    may take; when the ranks need more, the last line counts the ranks left out by state."""
     table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 2, 0, 0))
     for name in COLUMNS:
         table.add_column(name, justify="left" if name == "state" else "right", no_wrap=True)
     ended = state.get("status") in _ENDED
-    for row in state.get("ranks") or []:
-        rank_state = str(row.get("state") or "-")
-        live = rank_state in ("training", "joined") and not ended
-        if ended and rank_state in ("training", "joined", "joining"):
-            # A run stopped short records no end per rank: say what is known.
-            rank_state = "done" if state.get("status") == "completed" else "stopped"
+    ranks = list(state.get("ranks") or [])
+    hidden: list[str] = []
+    if rows is not None and len(ranks) > rows:
+        ranks, left_out = ranks[: max(rows - 1, 0)], ranks[max(rows - 1, 0) :]
+        hidden = [_shown_state(str(row.get("state") or "-"), state, ended) for row in left_out]
+    for row in ranks:
+        rank_state = _shown_state(str(row.get("state") or "-"), state, ended)
+        live = rank_state in ("training", "joined")
         table.add_row(
             f"rank {row.get('rank')}",
             Text(rank_state, style=_STATE_STYLES.get(rank_state, "")),
@@ -124,7 +135,17 @@ def rank_table(state: Mapping[str, Any]) -> Table:
             _percent(row.get("averaging_share")),
             _heartbeat(row.get("heartbeat_age_s")) if live else Text("-"),
         )
-    return table
+    if not hidden:
+        return table
+    counts = ", ".join(f"{hidden.count(name)} {name}" for name in sorted(set(hidden)))
+    return Group(table, Text(f"+{len(hidden)} more ranks: {counts}", style="dim"))
+
+
+def _shown_state(rank_state: str, state: Mapping[str, Any], ended: bool) -> str:
+    if ended and rank_state in ("training", "joined", "joining"):
+        # A run stopped short records no end per rank: say what is known.
+        return "done" if state.get("status") == "completed" else "stopped"
+    return rank_state
 
 
 def _heartbeat(age: Any) -> Text:

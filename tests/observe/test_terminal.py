@@ -141,6 +141,18 @@ def test_a_state_before_training_renders() -> None:
     assert row_of(text, 0)[:2] == ["joining", "0"]
 
 
+def test_ranks_that_do_not_fit_the_terminal_are_counted_by_state() -> None:
+    state = a_state()
+    state["ranks"] = [dict(state["ranks"][rank % 3], rank=rank) for rank in range(20)]
+    console = Console(record=True, width=80, height=12, color_system=None)
+    console.print(render(state, ["flodl: 9.8s rank 2 dead"], width=80, height=12))
+    lines = console.export_text().splitlines()
+    assert len(lines) < 12
+    assert [line.split()[1] for line in lines if line.startswith("rank ")] == list("012345")
+    assert "+14 more ranks: 4 dead, 10 training" in lines
+    assert lines[-1] == "flodl: 9.8s rank 2 dead"
+
+
 def test_eta_text() -> None:
     assert eta_text({"eta_s": 59.6}) == "1:00"
     assert eta_text({"eta_s": 3725}) == "1:02:05"
