@@ -6,15 +6,17 @@ Its limits cut off slow or hostile clients: a request line plus headers over
 :data:`MAX_HEAD_BYTES` is answered 431 and the connection closed; a connection that has not
 sent a whole request within :data:`IDLE_TIMEOUT_S` of opening (or of its last answer) is
 closed, however slowly it trickles bytes; a receive that waits over :data:`READ_TIMEOUT_S`
-closes it too. Each connection is its own task, reading only observer state, so clients cost
-the coordinator CPU time only, and bounded amounts of it (see dashboard_app).
+closes it too; when the dashboard stops, every connection is closed at once. Each connection
+is its own task, reading only observer state, so clients cost the coordinator CPU time only,
+and bounded amounts of it (see dashboard_app).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import trio
 
@@ -35,6 +37,32 @@ _log = logging.getLogger("flodl.dashboard")
 "Running on" line does not (the launcher prints the URL)."""
 
 
+class _Connections(trio.abc.Listener[trio.SocketStream]):
+    """A listener that remembers the connections it accepted, so that they can all be closed
+    at once: hypercorn shields its sends, so a client that asks and never reads would
+    otherwise hold its connection's task, and so the end of the run, forever."""
+
+    def __init__(self, inner: trio.SocketListener) -> None:
+        self._inner = inner
+        self._open: weakref.WeakSet[trio.SocketStream] = weakref.WeakSet()
+
+    async def accept(self) -> trio.SocketStream:
+        stream = await self._inner.accept()
+        self._open.add(stream)
+        return stream
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    def close_all(self) -> None:
+        """Close the listening socket and every connection now (no checkpoint): a task
+        blocked sending on one gets ClosedResourceError, which hypercorn takes as the client
+        gone."""
+        self._inner.socket.close()
+        for stream in list(self._open):
+            stream.socket.close()
+
+
 async def serve(
     observer: Observer,
     host: str,
@@ -47,11 +75,15 @@ async def serve(
 
     Started (``nursery.start``) once it listens, with its URL (``http://HOST:PORT/``, the real
     port). ``token``: None, or the token every request must present. Cancellation closes the
-    listener and every connection (hypercorn gives open ones up to 3 s to finish an answer in
-    progress). An address that cannot be bound raises OSError before it is started.
+    listener and every connection at once, answers in progress included, so no client can
+    hold up the end of the run. An address that cannot be bound raises OSError before it is
+    started.
     """
     from hypercorn.config import Config
-    from hypercorn.trio import serve as hypercorn_serve
+    from hypercorn.trio.tcp_server import TCPServer
+    from hypercorn.trio.worker_context import WorkerContext
+    from hypercorn.typing import ConnectionState
+    from hypercorn.utils import repr_socket_addr, wrap_app
 
     from flodl.observe.dashboard_app import DashboardApp
     from flodl.observe.metrics import RunMetrics
@@ -62,12 +94,40 @@ async def serve(
     config.h2_max_header_list_size = MAX_HEAD_BYTES
     config.keep_alive_timeout = IDLE_TIMEOUT_S
     config.read_timeout = int(READ_TIMEOUT_S)
-    config.graceful_timeout = 3.0
     config.accesslog = None
     config.errorlog = _log
     config.include_server_header = False
     # hypercorn types its scopes as TypedDicts; the app reads them as plain mappings.
     app: Any = DashboardApp(observer, token, RunMetrics(observer))
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(hypercorn_serve, app, config, mode="asgi"))
-        task_status.started(f"{binds[0]}/")
+    # hypercorn.trio.serve, less its lifespan (the app has nothing to start) and with a
+    # listener of our own (_Connections), so that the end can close every connection.
+    (sock,) = config.create_sockets().insecure_sockets
+    sock.listen(config.backlog)
+    listener = _Connections(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+    url = f"http://{repr_socket_addr(sock.family, sock.getsockname())}/"
+    wrapped = wrap_app(app, config.wsgi_max_body_size, "asgi")
+    context, state = WorkerContext(None), ConnectionState({})
+
+    async def connection(stream: trio.SocketStream) -> None:
+        # One connection's failure is logged, never the run's: it would cancel the views'
+        # nursery and, through it, the coordinator's.
+        try:
+            # hypercorn types the stream as TLS; a plain one is what its own serve passes too.
+            await TCPServer(wrapped, config, context, state, cast(Any, stream))
+        except Exception:
+            _log.exception("dashboard connection failed")
+
+    async with trio.open_nursery() as handlers:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    partial(
+                        trio.serve_listeners,
+                        connection,
+                        [listener],
+                        handler_nursery=handlers,
+                    )
+                )
+                task_status.started(url)
+        finally:
+            listener.close_all()

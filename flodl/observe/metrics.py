@@ -157,7 +157,7 @@ class RunMetrics:
     run's start)."""
 
     def __init__(self, observer: Observer) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry()
         reg = self.registry
         self.rounds = Counter("flodl_rounds", "Averaging rounds that settled", registry=reg)
         self.redo_rounds = Counter(

@@ -300,3 +300,25 @@ async def test_a_stalled_client_is_disconnected_while_the_run_goes_on(tmp_path: 
         assert raw == b""
         assert IDLE_TIMEOUT_S - 0.5 <= waited <= IDLE_TIMEOUT_S + 5
         assert served.observer.view.round > round_before
+
+
+async def test_a_client_that_never_reads_cannot_hold_up_the_end(tmp_path: Path) -> None:
+    async with open_cluster(
+        [RankScript(ms_per_batch=3.0)] * 2, dataset_size=400_000, url="tcp://127.0.0.1:0"
+    ) as cluster:
+        async with open_observer(cluster.coordinator, tmp_path) as observer:
+            await wait_until(observer, lambda: observer.view.round >= 3)
+            async with trio.open_nursery() as nursery:
+                url = await nursery.start(serve, observer, "127.0.0.1", 0, None)
+                port = urlsplit(url).port
+                assert port is not None
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                # Pipelined requests for answers it never reads: the server's sends block.
+                ask = b"GET /api/events?since=0 HTTP/1.1\r\nHost: x\r\n\r\n" * 300
+                with trio.move_on_after(2):
+                    await stream.send_all(ask)
+                await trio.sleep(0.5)
+                stopped = trio.current_time()
+                nursery.cancel_scope.cancel()
+            assert trio.current_time() - stopped < 1.0
+            await stream.aclose()
