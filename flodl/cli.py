@@ -60,6 +60,14 @@ def _add_coordinator_options(parser: argparse.ArgumentParser) -> None:
         help="rank 0 (the lowest live rank) saves a bundle every N epochs",
     )
     parser.add_argument(
+        "--join-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="wait this long for every rank to join; then start with those that did while "
+        "--min-ranks allows, else fail naming the missing ranks (default 300)",
+    )
+    parser.add_argument(
         "--min-ranks",
         type=int,
         default=None,
@@ -73,6 +81,7 @@ def _check_coordinator_flags(args: argparse.Namespace) -> None:
     """Refuse bad coordinator flags by the flag's name, before CoordinatorConfig would refuse
     them by a setting's name (or one derived from it) the user never typed."""
     check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
+    check_seconds("--join-timeout", args.join_timeout)
     if args.stall_ceiling is not None:
         check_seconds("--stall-ceiling", args.stall_ceiling)
     check_at_least("--anchor", args.anchor, 1)
@@ -114,6 +123,7 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         checkpoint_every=args.checkpoint_every,
         checkpoint_every_epochs=args.checkpoint_every_epochs,
         min_ranks=args.min_ranks,
+        join_timeout=args.join_timeout,
     )
 
 
@@ -266,6 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
         "coordinator from)",
     )
     worker.add_argument(
+        "--join-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="keep trying to reach the coordinator this long: it may start after the workers "
+        "(default 300)",
+    )
+    worker.add_argument(
         "--run-dir",
         type=Path,
         default=Path("runs/worker"),
@@ -388,6 +406,7 @@ def _worker(args: argparse.Namespace) -> int:
     if args.rank >= args.world_size:
         raise ConfigError(f"--rank must be below --world-size ({args.world_size}), got {args.rank}")
     check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
+    check_seconds("--join-timeout", args.join_timeout)
     if args.host is not None and not args.host.strip():
         raise ConfigError("--host must not be empty")
     check_script(args.script)
@@ -406,6 +425,7 @@ def _worker(args: argparse.Namespace) -> int:
         # coordinator's pace, and a timeout under 1 s stays above the interval.
         heartbeat_interval=min(1.0, args.heartbeat_timeout / 4),
         host=args.host,
+        join_timeout=args.join_timeout,
         run_dir=args.run_dir.resolve(),
     )
     env = {**os.environ, **rank_env.variables()}

@@ -100,6 +100,10 @@ class CoordinatorConfig:
     reduce_stall_ceiling: float | None = attrs.field(default=None, validator=_optional_positive)
     """None means ``max(10 x heartbeat_timeout, 300 s)``."""
     rendezvous_retry: float = attrs.field(default=5.0, validator=_positive)
+    join_timeout: float = attrs.field(default=300.0, validator=_positive)
+    """Seconds the coordinator waits for every rank to join; then it starts with those that
+    did while ``min_ranks`` allows, else fails naming the missing ones. A worker retries
+    connecting for as long (``flodl worker --join-timeout``)."""
     anchor: int = attrs.field(default=10, validator=_at_least_one)
     max_anchor: int = attrs.field(default=1000, validator=_at_least_one)
     overhead_target: float = attrs.field(default=0.05, validator=_positive)
@@ -172,6 +176,7 @@ class CoordinatorConfig:
                 reduce_stall=self.stall_ceiling,
                 rendezvous_retry=self.rendezvous_retry,
                 window_wait=self.window_wait_ceiling,
+                join=self.join_timeout,
             ),
             checkpoints=CheckpointSettings(
                 every_rounds=self.checkpoint_every, every_epochs=self.checkpoint_every_epochs

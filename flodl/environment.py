@@ -19,7 +19,9 @@
 ``FLODL_HEARTBEAT_INTERVAL`` seconds between this rank's heartbeats (1)
 ``FLODL_RUN_DIR``            directory for this rank's files (default: the working directory)
 ``FLODL_SEED``               seed of the shared epoch order (0)
-``FLODL_HOST``               address other ranks reach this one at (``127.0.0.1``)
+``FLODL_HOST``               address other ranks reach this one at (default: this host's
+                             address on its connection to the coordinator)
+``FLODL_JOIN_TIMEOUT``       seconds to keep trying to reach the coordinator at the start (300)
 ``FLODL_OP_TIMEOUT``         seconds after which a collective gives up by itself
                              (default: ``max(30, 2 x heartbeat timeout)``)
 ``FLODL_RESUME``             a checkpoint bundle to resume from (optional)
@@ -54,6 +56,7 @@ __all__ = [
     "HEARTBEAT_INTERVAL",
     "HEARTBEAT_TIMEOUT",
     "HOST",
+    "JOIN_TIMEOUT",
     "KEEP_CHECKPOINTS",
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
@@ -88,6 +91,7 @@ HEARTBEAT_INTERVAL = "FLODL_HEARTBEAT_INTERVAL"
 RUN_DIR = "FLODL_RUN_DIR"
 SEED = "FLODL_SEED"
 HOST = "FLODL_HOST"
+JOIN_TIMEOUT = "FLODL_JOIN_TIMEOUT"
 OP_TIMEOUT = "FLODL_OP_TIMEOUT"
 RESUME = "FLODL_RESUME"
 DEBUG_PARAM_HASHES = "FLODL_DEBUG_PARAM_HASHES"
@@ -118,6 +122,7 @@ class RankEnv:
     run_dir: Path | None = None
     seed: int | None = None
     host: str | None = None
+    join_timeout: float | None = None
     op_timeout: float | None = None
     resume: Path | None = None
     debug_param_hashes: bool = False
@@ -141,6 +146,7 @@ class RankEnv:
             RUN_DIR: self.run_dir,
             SEED: self.seed,
             HOST: self.host,
+            JOIN_TIMEOUT: self.join_timeout,
             OP_TIMEOUT: self.op_timeout,
             RESUME: self.resume,
             DEBUG_PARAM_HASHES: "1" if self.debug_param_hashes else None,
@@ -169,6 +175,7 @@ class RankEnv:
             run_dir=_path(env, RUN_DIR),
             seed=_int(env, SEED),
             host=_text(env, HOST),
+            join_timeout=_seconds(env, JOIN_TIMEOUT),
             op_timeout=_seconds(env, OP_TIMEOUT),
             resume=_path(env, RESUME),
             debug_param_hashes=_flag(env, DEBUG_PARAM_HASHES),

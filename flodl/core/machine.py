@@ -127,7 +127,6 @@ class CoordinatorMachine:
         now: float,
         local_ranks: frozenset[int] = frozenset(),
         seed: int = 0,
-        join_timeout: float = 300.0,
         resume: ResumeState | None = None,
     ) -> None:
         self.world_size = world_size
@@ -143,7 +142,7 @@ class CoordinatorMachine:
         self.rendezvous = Rendezvous(
             world_size, local_ranks=local_ranks, retry_timeout=timeouts.rendezvous_retry
         )
-        self.membership = Membership(world_size, join_deadline=now + join_timeout)
+        self.membership = Membership(world_size, join_deadline=now + timeouts.join)
         self.rounds = Rounds(
             settings, self.timeline, self.membership, self.liveness, resume or ResumeState()
         )
@@ -303,8 +302,7 @@ class CoordinatorMachine:
         effects: list[Effect] = []
         join_deadline = self.membership.join_deadline
         if join_deadline is not None and now >= join_deadline:
-            why = f"ranks {self.membership.missing()} did not join in time"
-            return list(self.ending.fail(now, why))
+            return self._join_timed_out(now)
         losses = self.liveness.check(now)
         if losses:
             effects += self._handle_losses(losses, now, "silent past the heartbeat timeout")
@@ -344,6 +342,18 @@ class CoordinatorMachine:
         self._phase = RunPhase.FORMING
         ranks = sorted(self.membership.expected())
         return self._regroup(self.rendezvous.form_initial(now, ranks), now)
+
+    def _join_timed_out(self, now: float) -> list[Effect]:
+        """The join timeout passed with ranks missing: start without them, or fail."""
+        missing = self.membership.missing()
+        timeout = self.settings.timeouts.join
+        why = f"ranks {missing} did not join within the join timeout ({timeout:g} s)"
+        fails = self.membership.give_up_on(missing, self.settings)
+        if fails is not None:
+            return list(self.ending.fail(now, why + fails))
+        remaining = sorted(self.membership.expected())
+        self.timeline.add(now, EventKind.GOING_ON_WITHOUT, ranks=remaining, why=why, rank=None)
+        return self._form_if_joined(now)
 
     def _died_joining(self, rank: int, how: str, now: float, restarting: bool) -> list[Effect]:
         """``rank``'s process died before the world joined (:meth:`Membership.died_joining`)."""

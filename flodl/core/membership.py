@@ -13,7 +13,7 @@ connection state; liveness is asked for by the caller. Pure: no clocks, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from flodl.core.job import Job
 from flodl.core.liveness import unrecoverable_reason
@@ -99,6 +99,19 @@ class Membership:
             collective=settings.collective and settings.min_ranks is None,
         )
         return None if reason is None else f"; {remaining} ranks remain ({reason.name})"
+
+    def give_up_on(self, ranks: Sequence[int], settings: MachineSettings) -> str | None:
+        """The join timeout passed without ``ranks``: the run starts without them while at
+        least ``min_ranks`` joined (default: 2 for a collective group, else 1). Returns why
+        it cannot start (appended to the timeout's reason), or None; the join deadline is
+        gone either way (a rank that joins later is a rejoiner)."""
+        self.join_deadline = None
+        joined = len(self.expected()) - len(ranks)
+        required = settings.min_ranks or (2 if settings.collective else 1)
+        if joined < max(required, 1):
+            return f"; {joined} joined, fewer than min_ranks {required}"
+        self.gone.update(ranks)
+        return None
 
     def missing(self) -> list[int]:
         """The ranks that have not said Ready (the gone ones aside), ascending."""

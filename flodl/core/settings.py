@@ -55,6 +55,9 @@ class Timeouts:
     """A silent group generator is replaced after this."""
     window_wait: float
     """Cadence: longest wait for the completion frames of a window before the round starts."""
+    join: float = 300.0
+    """The world must have joined this long after the coordinator started: then the run
+    starts with the ranks that did, if ``min_ranks`` allows, or fails naming the missing."""
 
 
 @attrs.frozen(kw_only=True)

@@ -40,6 +40,8 @@ class WorkerConfig:
     host: str | None = None
     """The address other ranks reach this one at; None: this host's address on its connection
     to the coordinator."""
+    join_timeout: float = 300.0
+    """Seconds to keep trying to reach the coordinator at the start (it may start later)."""
     op_timeout: float | None = None
     """None: ``max(30, 2 x heartbeat_timeout)`` (see :attr:`collective_timeout`)."""
     resume: Path | None = None
@@ -97,6 +99,7 @@ class WorkerConfig:
                 ("run_dir", given.run_dir),
                 ("seed", given.seed),
                 ("host", given.host),
+                ("join_timeout", given.join_timeout),
                 ("keep_checkpoints", given.keep_checkpoints),
             )
             if value is not None

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import trio
 
-from flodl.errors import CoordinatorError, FlodlError
+from flodl.errors import CoordinatorError, FlodlError, TransportError
 from flodl.transports import connect
 from flodl.transports.channel import Channel, connect_rank
 from flodl.wire.messages import Heartbeat, Message
@@ -32,15 +32,43 @@ def local_address(stream: trio.abc.Stream) -> str:
     return "127.0.0.1"
 
 
-async def open_channel(config: WorkerConfig) -> Channel:
-    """Connect to ``config.coordinator`` and complete the handshake as ``config.rank``.
+FIRST_RETRY_S = 0.1
+LAST_RETRY_S = 2.0
+"""Waits between attempts to reach a coordinator that is not up yet: doubling, at most this."""
 
-    CoordinatorError when there is no handshake within the heartbeat timeout; the handshake's
-    typed error when the coordinator refuses. Nothing is left open on failure.
+
+async def connect_patiently(config: WorkerConfig) -> trio.abc.Stream:
+    """A stream to ``config.coordinator``, trying again (waits doubling from 0.1 s to 2 s)
+    while nothing listens there yet, for up to ``config.join_timeout`` seconds: ranks and
+    their coordinator may start in any order. CoordinatorError naming the last error after
+    that. Cancellable at any point (nothing is left open)."""
+    wait = FIRST_RETRY_S
+    last: FlodlError | None = None
+    with trio.move_on_after(config.join_timeout):
+        while True:
+            try:
+                return await connect(config.coordinator)
+            except TransportError as err:
+                last = err
+            await trio.sleep(wait)
+            wait = min(wait * 2, LAST_RETRY_S)
+    raise CoordinatorError(
+        f"rank {config.rank}: no coordinator at {config.coordinator} within the join timeout "
+        f"({config.join_timeout:g} s): {last}"
+    )
+
+
+async def open_channel(config: WorkerConfig) -> Channel:
+    """Connect to ``config.coordinator`` (:func:`connect_patiently`) and complete the
+    handshake as ``config.rank``.
+
+    CoordinatorError when the coordinator cannot be reached within the join timeout, or there
+    is no handshake within the heartbeat timeout once connected; the handshake's typed error
+    when the coordinator refuses. Nothing is left open on failure.
     """
+    stream = await connect_patiently(config)
     try:
         with trio.fail_after(config.heartbeat_timeout):
-            stream = await connect(config.coordinator)
             try:
                 return await connect_rank(
                     stream, config.session_key, config.rank, config.world_size

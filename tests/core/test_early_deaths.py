@@ -17,12 +17,13 @@ from flodl.core.machine import CoordinatorMachine, Disconnect, Effect, RunPhase,
 from flodl.core.timeline import EventKind
 from flodl.wire.messages import Abort, Ready, RequestNewGroup, Shutdown
 
-SETTINGS = CoordinatorConfig().machine_settings()
+SETTINGS = CoordinatorConfig(join_timeout=5.0).machine_settings()
+"""Ranks join at 1 s, well within the heartbeat timeout (10 s) at the join deadline."""
 
 
 def machine(world: int, *, min_ranks: int | None = None) -> CoordinatorMachine:
     settings = attrs.evolve(SETTINGS, min_ranks=min_ranks)
-    return CoordinatorMachine(world, settings, now=0.0, join_timeout=60.0)
+    return CoordinatorMachine(world, settings, now=0.0)
 
 
 def phase(m: CoordinatorMachine) -> RunPhase:
@@ -158,12 +159,50 @@ def test_a_refused_rank_is_disconnected_with_the_reason() -> None:
     assert refused.reason.startswith("rank 1 describes job Job(")
 
 
-def test_the_join_deadline_aborts_every_rank_connected() -> None:
+TIMED_OUT = "ranks [1] did not join within the join timeout (5 s)"
+
+
+def test_the_join_deadline_aborts_every_rank_connected_when_too_few_joined() -> None:
     m = machine(2)
     join(m, 0)
-    effects = m.on_tick(61.0)
-    assert effects == [Broadcast(Abort(reason="ranks [1] did not join in time"))]
+    assert m.on_tick(4.9) == []
+    effects = m.on_tick(5.0)
+    why = TIMED_OUT + "; 1 joined, fewer than min_ranks 2"
+    assert effects == [Broadcast(Abort(reason=why))]
     assert m.outcome.status is Status.FAILED
+    assert m.outcome.message == why
+
+
+def test_at_the_join_deadline_the_run_starts_with_the_ranks_that_joined() -> None:
+    m = machine(3)
+    join(m, 0)
+    join(m, 2)
+    effects = m.on_tick(5.0)
+    assert phase(m) is RunPhase.FORMING  # generation 0 of ranks 0 and 2
+    assert [type(e.message) for e in effects if hasattr(e, "message")] == [RequestNewGroup]
+    (going_on,) = m.timeline.of_kind(EventKind.GOING_ON_WITHOUT)
+    assert going_on.detail["ranks"] == [0, 2]
+    assert going_on.detail["why"] == TIMED_OUT
+    # Rank 1 turns up late: it is taken in as a rank that rejoins, not refused.
+    m.on_connect(1, 6.0)
+    effects = m.on_message(1, ready(1), 6.0)
+    assert not any(isinstance(e, Disconnect) for e in effects)
+    (late,) = [e for e in m.timeline.of_kind(EventKind.RANK_JOINED) if e.detail.get("rejoin")]
+    assert late.detail["rank"] == 1
+
+
+def test_min_ranks_decides_whether_a_short_world_may_start_at_the_deadline() -> None:
+    m = machine(3, min_ranks=3)
+    join(m, 0)
+    join(m, 2)
+    (abort,) = m.on_tick(5.0)
+    assert isinstance(abort, Broadcast) and isinstance(abort.message, Abort)
+    assert abort.message.reason == TIMED_OUT + "; 2 joined, fewer than min_ranks 3"
+    m = machine(3, min_ranks=2)
+    join(m, 0)
+    join(m, 1)
+    m.on_tick(5.0)
+    assert phase(m) is RunPhase.FORMING and m.outcome.status is Status.RUNNING
 
 
 def test_a_rank_connecting_after_the_run_failed_is_told_why() -> None:

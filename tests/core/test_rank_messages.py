@@ -318,13 +318,18 @@ def test_the_next_boundary_in_each_state() -> None:
 
 def test_an_abort_before_the_job_is_announced_is_raised_by_the_announce() -> None:
     machine = machine_in(S.JOINED)
-    assert machine.receive(Abort(reason="ranks [1] did not join in time")) == [
+    assert machine.receive(
+        Abort(reason="ranks [1] did not join within the join timeout (300 s)")
+    ) == [
         CancelRound(),
         Wake(),
     ]
-    with pytest.raises(RunAborted, match=r"did not join in time"):
+    with pytest.raises(RunAborted, match=r"did not join within the join timeout"):
         machine.announce(JOB)
-    assert machine.tallies()["exit_reason"] == "aborted: ranks [1] did not join in time"
+    assert (
+        machine.tallies()["exit_reason"]
+        == "aborted: ranks [1] did not join within the join timeout (300 s)"
+    )
 
 
 def test_losing_the_connection_after_an_abort_changes_nothing() -> None:
