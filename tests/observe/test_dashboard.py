@@ -5,6 +5,8 @@ forgive a wrong answer). Real time throughout: the clients' sockets are real."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -322,3 +324,15 @@ async def test_a_client_that_never_reads_cannot_hold_up_the_end(tmp_path: Path) 
                 nursery.cancel_scope.cancel()
             assert trio.current_time() - stopped < 1.0
             await stream.aclose()
+
+
+def test_importing_flodl_does_not_import_the_servers_libraries() -> None:
+    code = (
+        "import sys, flodl, flodl.launcher, flodl.cli, flodl.observe.views; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('hypercorn', 'prometheus_client', 'h11', 'h2')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == "[]"
