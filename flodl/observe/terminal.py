@@ -28,12 +28,12 @@ __all__ = ["PlainLines", "show", "wants_live"]
 
 def wants_live(views: ViewConfig) -> bool:
     """The live table: asked for (``live=True``), or not refused and stdout is a terminal
-    that can move its cursor (not ``TERM=dumb``)."""
+    that can move its cursor (not ``TERM=dumb`` or ``unknown``, as rich sees it)."""
     if views.quiet or views.live is False:
         return False
     if views.live:
         return True
-    return sys.stdout.isatty() and os.environ.get("TERM", "") != "dumb"
+    return sys.stdout.isatty() and os.environ.get("TERM", "") not in ("dumb", "unknown")
 
 
 async def show(

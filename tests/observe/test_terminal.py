@@ -410,7 +410,7 @@ def test_a_death_on_a_pipe_prints_the_death_and_the_recovery(tmp_path: Path) -> 
     lines = [line for line in run.output.splitlines() if line.startswith("flodl: ")]
     (dead,) = [line for line in lines if " dead: " in line]
     (reformed,) = [line for line in lines if "group re-formed in " in line]
-    assert "rank 2 dead: process exited" in dead
+    assert "rank 2 dead: " in dead  # its exit or its closed connection, whichever came first
     assert "generation 1, ranks [0, 1]" in reformed
     assert lines.index(dead) < lines.index(reformed)
     assert "rank 2 lost (disconnected), recovered in" in run.output  # the summary
