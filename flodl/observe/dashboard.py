@@ -14,12 +14,14 @@ and bounded amounts of it (see dashboard_app).
 from __future__ import annotations
 
 import logging
+import socket
 import weakref
 from functools import partial
 from typing import Any, cast
 
 import trio
 
+from flodl.errors import ConfigError
 from flodl.observe.hub import Observer
 
 __all__ = ["IDLE_TIMEOUT_S", "MAX_HEAD_BYTES", "READ_TIMEOUT_S", "serve"]
@@ -63,6 +65,21 @@ class _Connections(trio.abc.Listener[trio.SocketStream]):
             stream.socket.close()
 
 
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening socket on ``host:port`` (as hypercorn would make it); ConfigError naming
+    the address if it cannot be had (the socket is closed then)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError as err:
+        sock.close()
+        raise ConfigError(f"--dashboard {host}:{port}: cannot listen there: {err}") from None
+    sock.setblocking(False)
+    return sock
+
+
 async def serve(
     observer: Observer,
     host: str,
@@ -76,8 +93,8 @@ async def serve(
     Started (``nursery.start``) once it listens, with its URL (``http://HOST:PORT/``, the real
     port). ``token``: None, or the token every request must present. Cancellation closes the
     listener and every connection at once, answers in progress included, so no client can
-    hold up the end of the run. An address that cannot be bound raises OSError before it is
-    started.
+    hold up the end of the run. An address it cannot listen on raises ConfigError (naming
+    it) before it is started.
     """
     from hypercorn.config import Config
     from hypercorn.trio.tcp_server import TCPServer
@@ -89,7 +106,6 @@ async def serve(
     from flodl.observe.metrics import RunMetrics
 
     config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.h11_max_incomplete_size = MAX_HEAD_BYTES
     config.h2_max_header_list_size = MAX_HEAD_BYTES
     config.keep_alive_timeout = IDLE_TIMEOUT_S
@@ -101,8 +117,7 @@ async def serve(
     app: Any = DashboardApp(observer, token, RunMetrics(observer))
     # hypercorn.trio.serve, less its lifespan (the app has nothing to start) and with a
     # listener of our own (_Connections), so that the end can close every connection.
-    (sock,) = config.create_sockets().insecure_sockets
-    sock.listen(config.backlog)
+    sock = _listen(host, port, config.backlog)
     listener = _Connections(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
     url = f"http://{repr_socket_addr(sock.family, sock.getsockname())}/"
     wrapped = wrap_app(app, config.wsgi_max_body_size, "asgi")

@@ -336,3 +336,11 @@ def test_importing_flodl_does_not_import_the_servers_libraries() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+async def test_an_address_in_use_is_a_config_error(tmp_path: Path) -> None:
+    async with dashboard(tmp_path) as served:
+        with pytest.raises(
+            ConfigError, match=f"--dashboard 127.0.0.1:{served.port}: cannot listen"
+        ):
+            await serve(served.observer, "127.0.0.1", served.port, None)
