@@ -51,6 +51,7 @@ from flodl.observe.events import EVENTS_NAME
 from flodl.observe.hub import open_observer
 from flodl.observe.views import ViewConfig, run_views
 from flodl.rundir import check_overwrite_and_resume, claim_run_dir, fresh_run_dir
+from flodl.torchrun_env import OMP_NOTE, TorchrunLayout, free_port
 
 KEY_FILE_NAME = "session.key"
 SUMMARY_NAME = "summary.json"
@@ -138,11 +139,25 @@ def rank_environment(
     key_file: Path,
     master_port: int,
     resume: Path | None = None,
+    restart_count: int = 0,
 ) -> dict[str, str]:
     """The environment of rank ``rank``: the parent's, plus what a flodl rank reads (the key
-    by file only: a key inherited in the environment would be the wrong one)."""
+    by file only: a key inherited in the environment would be the wrong one) and torchrun's
+    variables (:mod:`flodl.torchrun_env`; ``MASTER_PORT`` is ``master_port``, free for the
+    script's own rendezvous)."""
     env = dict(os.environ)
     env.pop(SESSION_KEY, None)
+    layout = TorchrunLayout(
+        rank=rank,
+        world_size=config.nproc,
+        local_rank=rank,
+        local_world_size=config.nproc,
+        master_port=master_port,
+        restart_count=restart_count,
+        max_restarts=config.restarts,
+        run_id=config.run_dir.name,
+    )
+    env.update(layout.variables(env))
     coordinator = config.coordinator
     rank_env = RankEnv(
         coordinator=url,
@@ -151,8 +166,6 @@ def rank_environment(
         local_rank=rank,
         local_world_size=config.nproc,
         session_key_file=key_file.resolve(),
-        master_addr="127.0.0.1",
-        master_port=master_port,
         backend=config.backend,
         policy=coordinator.policy,
         heartbeat_timeout=coordinator.heartbeat_timeout,
@@ -276,7 +289,9 @@ async def _launch(
     ) as coordinator:
         # Both clocks read together, so timeline times map onto unix times exactly.
         trio_start, clock_unix = trio.current_time(), time.time()
-        master_port = int(coordinator.url.rsplit(":", 1)[-1]) if "tcp" in url else 0
+        master_port = free_port()
+        if config.nproc > 1 and "OMP_NUM_THREADS" not in os.environ and config.echo:
+            say(OMP_NOTE.format(n=config.nproc))
         observing = open_observer(coordinator, run_dir, (trio_start, clock_unix))
         try:
             async with observing as observer, trio.open_nursery() as nursery:
@@ -285,6 +300,7 @@ async def _launch(
                     say(f"flodl: dashboard at {dashboard}")
 
                 async def start_rank(rank: int) -> trio.Process:
+                    earlier = [item.restarts for item in spawned if item.rank == rank]
                     env = rank_environment(
                         config,
                         rank,
@@ -292,6 +308,7 @@ async def _launch(
                         key_file,
                         master_port,
                         resume=None if plan is None else plan.bundle,
+                        restart_count=earlier[0] if earlier else 0,
                     )
                     return await trio.lowlevel.open_process(
                         [config.python, config.script, *config.script_args],

@@ -135,6 +135,11 @@ class CoordinatorMachine:
         self.timeline = Timeline()
         self._lost_since: float | None = None
         """When the first death the next re-formed group answers was detected."""
+        self._supervised = local_ranks == frozenset(range(world_size))
+        """Every rank's process is the launcher's (``flodl run``): it reports their exits."""
+        self._unjoined_exits: set[int] = set()
+        """Ranks whose process exited 0 before any rank connected: a script that may never
+        join flodl (a plain torchrun script), or ranks that are deaths once another joins."""
         self._phase = RunPhase.JOINING
         self.stats = [RankStats() for _ in range(world_size)]
         timeouts = settings.timeouts
@@ -192,11 +197,12 @@ class CoordinatorMachine:
         if self.finished:
             return math.inf
         best = math.inf
+        join_deadline = self.membership.join_deadline
         for deadline in (
             self.liveness.next_deadline(),
             self.rounds.next_deadline(),
             self.rendezvous.next_deadline(),
-            self.membership.join_deadline,
+            join_deadline if join_deadline is None or self._awaits_joins() else None,
         ):
             if deadline is not None and deadline < best:
                 best = deadline
@@ -223,7 +229,11 @@ class CoordinatorMachine:
         self.liveness.admit(rank, now)
         self.stats[rank].joined_at = now
         self.timeline.add(now, EventKind.RANK_JOINED, rank=rank)
-        return []
+        effects: list[Effect] = []
+        while self._unjoined_exits and not self.finished:  # this is a flodl run after all
+            gone = self._unjoined_exits.pop()
+            effects += self._died_joining(gone, "exited with code 0", now, False)
+        return effects
 
     def on_disconnect(self, rank: int, now: float, reason: str = "") -> list[Effect]:
         """``rank``'s connection closed or broke: it is lost at once."""
@@ -237,6 +247,8 @@ class CoordinatorMachine:
         if self.finished or (returncode == 0 and self.liveness.is_exiting(rank)):
             return []
         if self.phase is RunPhase.JOINING:
+            if returncode == 0 and not restarting and self.stats[rank].joined_at is None:
+                return self._exited_unjoined(rank, now)
             return self._died_joining(rank, f"exited with code {returncode}", now, restarting)
         return self._lose(rank, now, f"process exited with code {returncode}")
 
@@ -301,7 +313,7 @@ class CoordinatorMachine:
             return []
         effects: list[Effect] = []
         join_deadline = self.membership.join_deadline
-        if join_deadline is not None and now >= join_deadline:
+        if join_deadline is not None and now >= join_deadline and self._awaits_joins():
             return self._join_timed_out(now)
         losses = self.liveness.check(now)
         if losses:
@@ -342,6 +354,23 @@ class CoordinatorMachine:
         self._phase = RunPhase.FORMING
         ranks = sorted(self.membership.expected())
         return self._regroup(self.rendezvous.form_initial(now, ranks), now)
+
+    def _awaits_joins(self) -> bool:
+        """Whether the join timeout applies: not to a launcher's ranks none of which connected
+        yet (a plain torchrun script runs as long as it needs; their exits end the run)."""
+        return not self._supervised or any(s.joined_at is not None for s in self.stats)
+
+    def _exited_unjoined(self, rank: int, now: float) -> list[Effect]:
+        """``rank`` exited 0 without connecting. Before any rank connected, that may be a script
+        that never joins flodl: when every rank does so, the run is complete (flodl run as a
+        plain launcher). Once one connected, it is a death before joining."""
+        if any(stats.joined_at is not None for stats in self.stats):
+            return self._died_joining(rank, "exited with code 0", now, False)
+        self._unjoined_exits.add(rank)
+        if len(self._unjoined_exits) < self.world_size:
+            return []
+        why = "every rank exited 0 without joining flodl (the script never calls flodl.worker.join)"
+        return list(self.ending.shutdown(now, why))
 
     def _join_timed_out(self, now: float) -> list[Effect]:
         """The join timeout passed with ranks missing: start without them, or fail."""

@@ -8,6 +8,8 @@ else the SingleSurvivor rule), and otherwise fails, telling every connected rank
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from flodl.config import CoordinatorConfig
@@ -233,3 +235,26 @@ def test_ending_fail_broadcasts_abort_with_the_reason() -> None:
     m2 = machine(2)
     (broadcast,) = m2.ending.fail(5.0, long)
     assert isinstance(broadcast.message, Abort) and len(broadcast.message.reason) == 4096
+
+
+def test_a_launchers_ranks_that_never_join_run_as_a_plain_script() -> None:
+    m = machine(2)  # every rank local: the launcher reports their exits
+    assert m.next_deadline() == 5.0  # the join timeout, while no rank connected...
+    m2 = CoordinatorMachine(2, SETTINGS, now=0.0, local_ranks=frozenset({0, 1}))
+    assert m2.on_tick(10.0) == []  # ...does not end a launcher's run nobody joined
+    assert m2.next_deadline() == math.inf
+    assert m2.on_exit_reported(1, 0, 11.0) == []
+    (shutdown,) = m2.on_exit_reported(0, 0, 12.0)
+    assert isinstance(shutdown, Broadcast) and isinstance(shutdown.message, Shutdown)
+    assert m2.outcome.status is Status.COMPLETED
+    assert "never calls flodl.worker.join" in m2.outcome.message
+
+
+def test_an_early_exit_0_is_a_death_once_another_rank_joins() -> None:
+    m = CoordinatorMachine(3, SETTINGS, now=0.0, local_ranks=frozenset({0, 1, 2}))
+    assert m.on_exit_reported(1, 0, 0.5) == []
+    join(m, 0)  # a flodl run after all: rank 1 died before joining
+    (dead,) = m.timeline.of_kind(EventKind.RANK_DEAD)
+    assert dead.detail["rank"] == 1 and "exited with code 0 before joining" in dead.detail["why"]
+    (going_on,) = m.timeline.of_kind(EventKind.GOING_ON_WITHOUT)
+    assert going_on.detail["ranks"] == [0, 2]
