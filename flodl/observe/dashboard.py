@@ -27,6 +27,8 @@ from flodl.observe.hub import Observer
 __all__ = ["IDLE_TIMEOUT_S", "MAX_HEAD_BYTES", "READ_TIMEOUT_S", "serve"]
 
 MAX_HEAD_BYTES = 16 * 1024
+MAX_CONNECTIONS = 64
+"""Connections served at once; more wait to be accepted (they cost nothing meanwhile)."""
 """Request line and headers together (HTTP/1.1; the HTTP/2 header list has the same cap)."""
 IDLE_TIMEOUT_S = 5.0
 """A connection with no whole request in this long is closed (hypercorn's keep-alive timer,
@@ -47,9 +49,16 @@ class _Connections(trio.abc.Listener[trio.SocketStream]):
     def __init__(self, inner: trio.SocketListener) -> None:
         self._inner = inner
         self._open: weakref.WeakSet[trio.SocketStream] = weakref.WeakSet()
+        self.slots = trio.Semaphore(MAX_CONNECTIONS)
+        """One per open connection: beyond, new ones wait in the listen backlog."""
 
     async def accept(self) -> trio.SocketStream:
-        stream = await self._inner.accept()
+        await self.slots.acquire()
+        try:
+            stream = await self._inner.accept()
+        except BaseException:
+            self.slots.release()
+            raise
         self._open.add(stream)
         return stream
 
@@ -131,6 +140,8 @@ async def serve(
             await TCPServer(wrapped, config, context, state, cast(Any, stream))
         except Exception:
             _log.exception("dashboard connection failed")
+        finally:
+            listener.slots.release()
 
     async with trio.open_nursery() as handlers:
         try:

@@ -29,6 +29,7 @@ from urllib.parse import parse_qs
 
 import trio
 
+from flodl.observe.budget import RequestBudget
 from flodl.observe.hub import Observer
 from flodl.observe.metrics import CONTENT_TYPE, RunMetrics
 
@@ -46,6 +47,13 @@ EVENTS_BYTES_LIMIT = 256 * 1024
 STATE_TTL_S = 0.2
 """``/api/state`` answers built within this many seconds of each other are the same one, so
 fifty clients cost no more than one."""
+
+
+REQUESTS_PER_S = 20.0
+"""Requests answered per second over all clients (the page asks about twice a second per
+viewer, a Prometheus scrape once in 15 s); beyond, requests wait their turn
+(:mod:`flodl.observe.budget`)."""
+REQUEST_BURST = 40
 
 
 def _page() -> tuple[bytes, str]:
@@ -97,12 +105,15 @@ class DashboardApp:
         self._encoded: list[bytes | None] = []
         """The JSON of events already asked for; ``_encoded[0]`` is event ``_encoded_base``."""
         self._encoded_base = 0
+        self.budget = RequestBudget(REQUESTS_PER_S, REQUEST_BURST)
+        """Requests over all clients the coordinator's process answers per second."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "lifespan":
             await _lifespan(receive, send)
         elif kind == "http":
+            await self.budget.take()
             answer = self.answer(scope)
             await _send(send, answer, head=scope["method"] == "HEAD")
         elif kind == "websocket":

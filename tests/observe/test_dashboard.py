@@ -344,3 +344,32 @@ async def test_an_address_in_use_is_a_config_error(tmp_path: Path) -> None:
             ConfigError, match=f"--dashboard 127.0.0.1:{served.port}: cannot listen"
         ):
             await serve(served.observer, "127.0.0.1", served.port, None)
+
+
+async def test_the_request_budget_bounds_the_rate_over_all_clients(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from flodl.observe.budget import RequestBudget
+
+    budget = RequestBudget(rate=20.0, burst=40)
+    start = trio.current_time()
+    served: list[float] = []
+
+    async def client() -> None:
+        for _ in range(10):
+            await budget.take()
+            served.append(trio.current_time() - start)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(10):  # 100 requests at once
+            nursery.start_soon(client)
+    assert len(served) == 100
+    assert sum(1 for t in served if t == 0.0) == 40  # the burst
+    assert max(served) == pytest.approx((100 - 40) / 20.0)  # then 20 a second
+    # A cancelled wait gives its turn back: the next one waits 0.04 s (a turn less the
+    # 0.01 s the cancelled one waited), not 0.09 s.
+    with trio.move_on_after(0.01):
+        await budget.take()
+    before = trio.current_time()
+    await budget.take()
+    assert trio.current_time() - before == pytest.approx(0.04, abs=1e-6)
