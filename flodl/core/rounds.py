@@ -296,7 +296,10 @@ class Rounds:
     def redo(self, now: float, generation: int) -> list[Effect]:
         """Reissue the round a dead member interrupted, on the re-formed ``generation``."""
         started = self.cycle.redo_round(now, generation)
-        self._timeline.add(now, EventKind.SYNC_START, round=started.round, redo=True)
+        # The redo takes the next round number: the one it redoes is the one before.
+        self._timeline.add(
+            now, EventKind.SYNC_START, round=started.round, redo=True, redoes=started.round - 1
+        )
         self.log.start(
             now,
             round=started.round,

@@ -95,13 +95,21 @@ def batches(history: RunHistory) -> Figure:
 
 
 def shares(history: RunHistory) -> Figure:
-    """Idle and averaging time of each rank as a share of its rounds (windows + rounds)."""
+    """Idle and averaging time of each rank as a share of its rounds (windows + rounds).
+
+    Rounds whose window trained nothing are left out: the run's first round (every rank
+    starts from the same weights) also waits for the first group to form, seconds that are
+    neither idling nor averaging between batches."""
     figure, axes = _figure("Idle and averaging share per rank")
     axes.set_xlabel("rank")
     axes.set_ylabel("share of its rounds' time (%)")
     idle, averaging = [], []
     for rank in history.ranks:
-        rows = [row for row in history.rounds if rank in row.ranks]
+        rows = [
+            row
+            for row in history.rounds
+            if rank in row.ranks and any(row.value(r, "batches") for r in row.ranks)
+        ]
         span_ms = sum((row.window_s + row.duration_s) * 1000.0 for row in rows)
         idle_ms = sum(row.value(rank, "idle_ms") or 0.0 for row in rows)
         averaging_ms = sum(row.value(rank, "averaging_ms") or 0.0 for row in rows)

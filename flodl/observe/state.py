@@ -48,7 +48,9 @@ def describe(record: Mapping[str, Any]) -> str:
     kind = record.get("kind")
     at = f"{record.get('t', 0.0):.1f}s"
     if kind == "RankDead":
-        return f"{at} rank {record.get('rank')} dead: {record.get('why') or record.get('cause')}"
+        why = str(record.get("why") or record.get("cause"))
+        rank = f"rank {record.get('rank')}"
+        return f"{at} {rank} dead: {why.removeprefix(rank + ' ')}"
     if kind == "GroupReformed":
         took = record.get("took_s")
         took_text = "" if took is None else f" in {took:.2f} s"
@@ -72,7 +74,9 @@ def describe(record: Mapping[str, Any]) -> str:
     if kind == "RankJoined":
         return f"{at} rank {record.get('rank')} rejoined"
     if kind == "SyncStart":
-        return f"{at} round {record.get('round')} redone on the re-formed group"
+        redoes = record.get("redoes")
+        again = "" if redoes is None else f" redoes round {redoes}"
+        return f"{at} round {record.get('round')}{again} on the re-formed group"
     return f"{at} {kind}"
 
 
@@ -181,7 +185,11 @@ class RunView:
         window_s = float(record.get("window_s") or 0.0)
         round_s = float(record.get("duration_s") or 0.0)
         counts = record.get("next_counts") or {}
-        for key, facts in (record.get("ranks") or {}).items():
+        ranks = record.get("ranks") or {}
+        # A window that trained nothing (the first round, which also waits for the first
+        # group to form) says nothing of idling or averaging between batches.
+        trained = any(facts.get("batches") for facts in ranks.values())
+        for key, facts in ranks.items():
             row = self._row(int(key))
             if row is None:
                 continue
@@ -189,9 +197,10 @@ class RunView:
             if facts.get("batches"):
                 row.samples_per_s = facts.get("samples_per_s")
                 row.ms_per_batch = facts.get("ms_per_batch")
-            row.idle_s += float(facts.get("idle_ms") or 0.0) / 1000.0
-            row.averaging_s += float(facts.get("averaging_ms") or 0.0) / 1000.0
-            row.busy_s += window_s + round_s
+            if trained:
+                row.idle_s += float(facts.get("idle_ms") or 0.0) / 1000.0
+                row.averaging_s += float(facts.get("averaging_ms") or 0.0) / 1000.0
+                row.busy_s += window_s + round_s
             if facts.get("divergence") is not None:
                 row.divergence = facts.get("divergence")
         for key, count in counts.items():

@@ -45,8 +45,6 @@ class ViewConfig:
     """The live table: None = when stdout is a terminal; False = ``--no-live``."""
     quiet: bool = False
     """``--quiet``: neither rank output nor event lines, only the end-of-run summary."""
-    show_ranks: bool = True
-    """Rank output lines reach stdout (above the live table, or as plain lines)."""
     dashboard: tuple[str, int] | None = None
     """(host, port) to serve the dashboard on; None: no dashboard."""
     dashboard_token_file: Path | None = None

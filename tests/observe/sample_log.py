@@ -55,7 +55,7 @@ def records(*, death: bool, divergence: bool = True) -> list[dict[str, Any]]:
     if death:
         add(2.7, "RankDead", rank=2, cause="disconnected", why="process exited with code -9")
         add(2.8, "GroupReformed", generation=1, members=[0, 1], took_s=0.1)
-        add(2.8, "SyncStart", round=4, redo=True)
+        add(2.8, "SyncStart", round=4, redo=True, redoes=3)
         redo = {"0": _rank(10, 4.0, 10.0, 60.0, div(0.2)), "1": _rank(20, 2.0, 5.0, 60.0, div(0.1))}
         add(2.86, "SyncEnd", round=4, generation=1, redo=True, global_step=70, window_s=0.5,
             duration_s=0.06, ranks=redo)  # fmt: skip

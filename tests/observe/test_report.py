@@ -96,7 +96,7 @@ def test_without_summary_json_the_page_says_so_and_reads_the_log(tmp_path: Path)
     assert "4 settled, 1 redone, 1 never settled (round 3)" in page
     assert "1: rank 2 at 2.7 s (disconnected: process exited with code -9)" in page
     assert "3.4 s to the last event" in page
-    assert "2.8s round 4 redone on the re-formed group" in page  # the events table
+    assert "2.8s round 4 redoes round 3 on the re-formed group" in page  # the events table
     timeline = (index.parent / "timeline.svg").read_text()
     for label in ("gen 1 [0,1]", "round 4", "PERIODIC", "deaths (1)", "rejoins (1)", "saved (1)"):
         assert label in timeline, label

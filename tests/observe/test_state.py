@@ -98,14 +98,14 @@ def test_a_death_and_a_regroup_change_the_rows_and_are_told_in_recent() -> None:
     view.apply(started(0.0, [0, 1, 2]))
     view.apply(record("RankDead", 5.0, rank=2, cause="disconnected", why="connection closed"))
     view.apply(record("GroupReformed", 5.4, generation=1, members=[0, 1], took_s=0.4))
-    view.apply(record("SyncStart", 5.5, round=7, redo=True))
+    view.apply(record("SyncStart", 5.5, round=7, redo=True, redoes=6))
     state = view.snapshot()
     assert [r["state"] for r in state["ranks"]] == ["training", "training", "dead"]
     assert state["generation"] == 1
     assert state["recent"] == [
         "5.0s rank 2 dead: connection closed",
         "5.4s group re-formed in 0.40 s: generation 1, ranks [0, 1]",
-        "5.5s round 7 redone on the re-formed group",
+        "5.5s round 7 redoes round 6 on the re-formed group",
     ]
     view.apply(record("EpochAggregated", 8.0, epoch=0, avg_loss=0.5))
     view.apply(record("EpochAggregated", 9.0, epoch=1, avg_loss=0.25))
