@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint typecheck unit demo wire-demo bench clean
+.PHONY: setup browser test lint typecheck unit demo wire-demo bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -12,11 +12,14 @@ $(STAMP): pyproject.toml
 	# Pinned CPU torch first: an unpinned `torch` would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
-	# Debian's Chromium for the dashboard's browser test (it skips without): root only.
-	if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null; then \
+	touch $(STAMP)
+
+# Debian's Chromium for the dashboard's browser test (it skips without); root only. The tests
+# need it, the demo does not.
+browser:
+	@if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null; then \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium chromium-driver) \
 		|| echo "chromium not installed: tests/e2e/test_dashboard_browser.py will skip"; fi
-	touch $(STAMP)
 
 setup: $(STAMP)
 
@@ -27,7 +30,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: $(STAMP) browser
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck unit
