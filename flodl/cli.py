@@ -449,6 +449,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FlodlError as err:
         print(f"flodl: error: {err}", file=sys.stderr)
         return 2
+    except BaseExceptionGroup as group:  # raised in a nursery: say it as plainly
+        err = _only_error(group)
+        if not isinstance(err, FlodlError):
+            raise
+        print(f"flodl: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _only_error(error: BaseException) -> BaseException:
+    """The one exception nested groups of one each hold (the group itself otherwise)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
 
 
 if __name__ == "__main__":

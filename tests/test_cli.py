@@ -191,3 +191,26 @@ def test_coordinator_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) -> No
     argv = ["coordinator", "--listen", "tcp://127.0.0.1:0", "--world-size", "2"]
     assert main([*argv, "--heartbeat-timeout", "-1"]) == 2
     assert "--heartbeat-timeout must be a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_a_dashboard_port_in_use_is_one_clear_error(tmp_path: Path) -> None:
+    import socket
+
+    digits = Path(__file__).parents[1] / "examples" / "digits.py"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "flodl.cli", "run", "--nproc", "2", "--no-live"]
+        command += ["--run-dir", str(tmp_path / "run"), "--dashboard", f"127.0.0.1:{port}"]
+        done = subprocess.run(
+            [*command, str(digits)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"flodl: error: --dashboard 127.0.0.1:{port}: cannot listen there: "
+        "[Errno 98] Address already in use"
+    ]
