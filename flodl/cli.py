@@ -450,10 +450,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flodl: error: {err}", file=sys.stderr)
         return 2
     except BaseExceptionGroup as group:  # raised in a nursery: say it as plainly
-        err = _only_error(group)
-        if not isinstance(err, FlodlError):
+        only = _only_error(group)
+        if not isinstance(only, FlodlError):
             raise
-        print(f"flodl: error: {err}", file=sys.stderr)
+        print(f"flodl: error: {only}", file=sys.stderr)
         return 2
 
 
