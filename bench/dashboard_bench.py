@@ -6,7 +6,8 @@ Writes bench/results/dashboard.json and prints a short summary.
 * **Round time under load.** Trials are real ``flodl run --dashboard 127.0.0.1:0`` runs
   (3 ranks, gloo, the digits MLP of examples/digits.py, rank 2 made 2x slower, ``--policy
   sync``: a round after every batch, so a run has hundreds of short rounds, where any delay
-  the coordinator adds shows most), in sets of three: no client, then 50 clients that each
+  the coordinator adds shows most), in sets of three (8 sets by default: the baseline alone
+  varies by more than the 5% looked for between runs on a small shared machine): no client, then 50 clients that each
   poll ``/api/state`` and ``/api/events?since=N`` every 100 ms over a keep-alive connection,
   as the page does (every 1 s) but ten times as often.
   The clients run in a process of their own at ``nice 19``: on this small machine they stand
@@ -281,7 +282,7 @@ def event_log_cost(dataset_size: int) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="flodl dashboard benchmark")
     parser.add_argument("--quick", action="store_true", help="one short pair; figures mean little")
-    parser.add_argument("--sets", type=int, default=4, help="sets of runs (one per condition)")
+    parser.add_argument("--sets", type=int, default=8, help="sets of runs (one per condition)")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--poll", type=int, default=None, help=argparse.SUPPRESS)
