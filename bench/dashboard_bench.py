@@ -7,9 +7,9 @@ Writes bench/results/dashboard.json and prints a short summary.
   (3 ranks, gloo, the digits MLP of examples/digits.py, rank 2 made 2x slower, ``--policy
   sync``: a round after every batch, so a run has hundreds of short rounds, where any delay
   the coordinator adds shows most), in sets of three (8 sets by default: the baseline alone
-  varies by more than the 5% looked for between runs on a small shared machine): no client, then 50 clients that each
-  poll ``/api/state`` and ``/api/events?since=N`` every 100 ms over a keep-alive connection,
-  as the page does (every 1 s) but ten times as often.
+  varies by more than the 5% looked for between runs on a small shared machine): no client,
+  then 50 clients that each poll ``/api/state`` and ``/api/events?since=N`` every 100 ms over
+  a keep-alive connection, as the page does (every 1 s) but ten times as often.
   The clients run in a process of their own at ``nice 19``: on this small machine they stand
   for browsers elsewhere, so what is measured is the serving work in the coordinator's
   process, not the clients' CPU taking the ranks' cores. Round time = ``duration_s`` of every
