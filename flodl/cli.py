@@ -127,6 +127,41 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
     )
 
 
+def _ranks_of(flag: str, text: str | None) -> frozenset[int] | None:
+    """``0,2,5`` (or ``0-3``) -> the set of ranks; None stays None. ConfigError if bad."""
+    if text is None:
+        return None
+    ranks: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            ranks.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ConfigError(f"{flag} must list ranks like 0,2 or 0-3, got {text!r}") from None
+    return frozenset(ranks)
+
+
+def nproc_of(text: str) -> int:
+    """``--nproc``'s value as torchrun reads ``--nproc-per-node``: a number, ``gpu`` (the
+    visible GPUs; ConfigError when there are none), ``cpu`` (the CPU cores) or ``auto``
+    (``gpu`` where CUDA is usable, else ``cpu``). Imports torch only for ``gpu``/``auto``."""
+    if text in ("gpu", "auto"):
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus:
+            return gpus
+        if text == "gpu":
+            raise ConfigError("--nproc gpu: torch sees no usable GPU on this host")
+        text = "cpu"
+    if text == "cpu":
+        return os.cpu_count() or 1
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--nproc must be a number, auto, gpu or cpu, got {text!r}") from None
+
+
 def _add_view_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-live",
@@ -199,7 +234,20 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run SCRIPT on N local ranks with a coordinator")
-    run.add_argument("--nproc", type=int, required=True)
+    run.add_argument(
+        "--nproc",
+        required=True,
+        metavar="N|auto|gpu|cpu",
+        help="ranks to start, as torchrun's --nproc-per-node: a number; gpu: one per visible "
+        "GPU; cpu: one per CPU core; auto: gpu where CUDA is usable, else cpu",
+    )
+    run.add_argument(
+        "--show-ranks",
+        default=None,
+        metavar="R,R,...",
+        help="relay only these ranks' output (as torchrun's --local-ranks-filter); every "
+        "rank's output is in run_dir/rank<N>.log whatever this says",
+    )
     run.add_argument("--transport", choices=["tcp", "unix"], default="tcp")
     run.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     run.add_argument(
@@ -304,7 +352,7 @@ def _run(args: argparse.Namespace) -> int:
     config = LaunchConfig(
         script=args.script,
         script_args=tuple(args.script_args),
-        nproc=args.nproc,
+        nproc=nproc_of(args.nproc),
         transport=args.transport,
         backend=args.backend,
         run_dir=args.run_dir or fresh_run_dir(),
@@ -315,6 +363,7 @@ def _run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         keep_checkpoints=args.keep_checkpoints,
         echo=not args.quiet,
+        show_ranks=_ranks_of("--show-ranks", args.show_ranks),
         views=_view_config(args),
     )
     config.check_host()

@@ -77,6 +77,8 @@ class LaunchConfig:
     """Seconds ranks get to exit on their own after the run ended, before they are killed."""
     echo: bool = True
     """Relay the ranks' output to this process's stdout."""
+    show_ranks: frozenset[int] | None = None
+    """Relay only these ranks' output (None: every rank's); all of it is in the rank logs."""
     restarts: int = 0
     """How many times a rank whose process failed is started again (it rejoins the group)."""
     overwrite: bool = False
@@ -215,7 +217,9 @@ async def _supervise(
         process = spawned.process
         async with trio.open_nursery() as nursery:
             if process.stdout is not None:
-                nursery.start_soon(_relay_output, spawned.rank, process.stdout, config.echo, log)
+                shown = config.show_ranks is None or spawned.rank in config.show_ranks
+                echo = config.echo and shown
+                nursery.start_soon(_relay_output, spawned.rank, process.stdout, echo, log)
             code = await process.wait()
         spawned.exit_code = code
         spawned.exited_unix = time.time()

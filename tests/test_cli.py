@@ -40,6 +40,9 @@ def script(tmp_path: Path) -> Path:
         (["--max-batch-diff", "-2"], "--max-batch-diff must be an integer >= 0"),
         (["--window-cap-epochs", "0"], "--window-cap-epochs must be a number > 0"),
         (["--relax-up", "--policy", "sync"], "--relax-up grows cadence windows"),
+        (["--nproc", "many"], "--nproc must be a number, auto, gpu or cpu, got 'many'"),
+        (["--nproc", "gpu"], "--nproc gpu: torch sees no usable GPU on this host"),
+        (["--show-ranks", "0,x"], "--show-ranks must list ranks like 0,2 or 0-3, got '0,x'"),
     ],
 )
 def test_run_refuses_a_bad_flag_by_its_name(
@@ -214,3 +217,32 @@ def test_a_dashboard_port_in_use_is_one_clear_error(tmp_path: Path) -> None:
         f"flodl: error: --dashboard 127.0.0.1:{port}: cannot listen there: "
         "[Errno 98] Address already in use"
     ]
+
+
+def test_nproc_reads_as_torchruns_nproc_per_node() -> None:
+    import os
+
+    import torch
+
+    from flodl.cli import _ranks_of, nproc_of
+
+    assert nproc_of("3") == 3
+    assert nproc_of("cpu") == os.cpu_count()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert nproc_of("auto") == (gpus or os.cpu_count())
+    assert _ranks_of("--show-ranks", "0,2-4") == frozenset({0, 2, 3, 4})
+    assert _ranks_of("--show-ranks", None) is None
+
+
+def test_show_ranks_relays_only_those_ranks_and_logs_all(tmp_path: Path) -> None:
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('hello from', os.environ['RANK'])\n")
+    command = [sys.executable, "-m", "flodl.cli", "run", "--nproc", "3", "--no-live"]
+    command += ["--run-dir", str(tmp_path / "run"), "--show-ranks", "1", str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[rank 1] hello from 1" in done.stdout
+    assert "hello from 0" not in done.stdout and "hello from 2" not in done.stdout
+    for rank in range(3):
+        log = (tmp_path / "run" / f"rank{rank}.log").read_text()
+        assert f"hello from {rank}" in log
