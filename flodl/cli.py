@@ -17,6 +17,7 @@ from flodl.backends import check_backend_on_host
 from flodl.config import CoordinatorConfig, Policy, check_at_least, check_script, check_seconds
 from flodl.environment import RankEnv, session_key_from_env
 from flodl.errors import ConfigError, FlodlError
+from flodl.layout import layout_from
 from flodl.observe.views import ViewConfig, parse_bind
 from flodl.transports import parse_url
 
@@ -312,8 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = commands.add_parser("worker", help="run SCRIPT as one rank of a remote coordinator")
     worker.add_argument("--coordinator", required=True, metavar="URL")
-    worker.add_argument("--rank", type=int, required=True)
-    worker.add_argument("--world-size", type=int, required=True)
+    worker.add_argument(
+        "--rank", type=int, default=None, help="default: from Slurm's or torchrun's variables"
+    )
+    worker.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="default: from Slurm's or torchrun's variables",
+    )
     worker.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     worker.add_argument("--policy", choices=[p.value for p in Policy], default="cadence")
     worker.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S")
@@ -450,23 +458,26 @@ def _worker(args: argparse.Namespace) -> int:
 
     # The checks a rank would make after importing torch, made here by the flags' names.
     _check_url("--coordinator", args.coordinator)
-    check_at_least("--world-size", args.world_size, 1)
-    check_at_least("--rank", args.rank, 0)
-    if args.rank >= args.world_size:
+    if args.world_size is not None:
+        check_at_least("--world-size", args.world_size, 1)
+    if args.rank is not None:
+        check_at_least("--rank", args.rank, 0)
+    if args.rank is not None and args.world_size is not None and args.rank >= args.world_size:
         raise ConfigError(f"--rank must be below --world-size ({args.world_size}), got {args.rank}")
+    layout = layout_from(os.environ, rank=args.rank, world_size=args.world_size)
     check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
     check_seconds("--join-timeout", args.join_timeout)
     if args.host is not None and not args.host.strip():
         raise ConfigError("--host must not be empty")
     check_script(args.script)
-    check_backend_on_host(args.backend, 1)
+    check_backend_on_host(args.backend, layout.local_world_size)
     session_key_from_env()  # fail early, here, if the key is missing
     rank_env = RankEnv(
         coordinator=args.coordinator,
-        rank=args.rank,
-        world_size=args.world_size,
-        local_rank=0,
-        local_world_size=1,
+        rank=layout.rank,
+        world_size=layout.world_size,
+        local_rank=layout.local_rank,
+        local_world_size=layout.local_world_size,
         backend=args.backend,
         policy=Policy(args.policy),
         heartbeat_timeout=args.heartbeat_timeout,
@@ -478,6 +489,7 @@ def _worker(args: argparse.Namespace) -> int:
         run_dir=args.run_dir.resolve(),
     )
     env = {**os.environ, **rank_env.variables()}
+    env.setdefault("GROUP_RANK", str(layout.node))
     env[STOP_ON_SIGNALS] = "1"  # no launcher here: SIGTERM/SIGINT ask the coordinator to save
     WorkerConfig.from_env(env)  # what the rank will read, refused here rather than after torch
     args.run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,105 @@
+"""Where a ``flodl worker`` sits in the job: from its flags, or from the scheduler that started it.
+
+``srun flodl worker --coordinator tcp://HOST:PORT script.py`` takes its place from Slurm's
+variables, and a worker started by ``torchrun`` from torchrun's; ``--rank``/``--world-size``
+given on the command line win over both. Pure: reads a mapping, never the process.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import attrs
+
+from flodl.errors import ConfigError
+
+__all__ = ["RankLayout", "layout_from"]
+
+
+@attrs.frozen
+class RankLayout:
+    """One rank's place: ``node`` is the host's index (torchrun's GROUP_RANK)."""
+
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    local_world_size: int = 1
+    node: int = 0
+    source: str = "flags"
+    """Where it came from: ``flags``, ``torchrun`` or ``slurm``."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"world size must be >= 1 ({self.source}), got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(
+                f"rank {self.rank} is not below the world size {self.world_size} ({self.source})"
+            )
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ConfigError(
+                f"local rank {self.local_rank} is not below the ranks of this host "
+                f"{self.local_world_size} ({self.source})"
+            )
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    text = env.get(name, "").strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {text!r}") from None
+
+
+def _tasks_on_this_node(env: Mapping[str, str]) -> int:
+    """This node's task count: SLURM_NTASKS_PER_NODE, else the entry of
+    SLURM_TASKS_PER_NODE (``2(x3),1``: 2 tasks on each of 3 nodes, then 1) for SLURM_NODEID."""
+    if env.get("SLURM_NTASKS_PER_NODE", "").strip():
+        return _int(env, "SLURM_NTASKS_PER_NODE")
+    text = env.get("SLURM_TASKS_PER_NODE", "").strip()
+    if not text:
+        return 1
+    node = _int(env, "SLURM_NODEID") if env.get("SLURM_NODEID") else 0
+    for part in text.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise ConfigError(f"SLURM_TASKS_PER_NODE: cannot read {text!r}")
+        tasks, repeat = int(match.group(1)), int(match.group(2) or 1)
+        if node < repeat:
+            return tasks
+        node -= repeat
+    raise ConfigError(f"SLURM_TASKS_PER_NODE {text!r} has no entry for SLURM_NODEID")
+
+
+def layout_from(
+    env: Mapping[str, str], *, rank: int | None = None, world_size: int | None = None
+) -> RankLayout:
+    """The layout the flags give (both ``rank`` and ``world_size``), else torchrun's
+    variables (a process torchrun started: ``TORCHELASTIC_RUN_ID`` is set), else Slurm's
+    (``SLURM_PROCID``). ConfigError saying what is missing, or which variable is bad."""
+    if rank is not None and world_size is not None:
+        return RankLayout(rank, world_size)
+    if rank is not None or world_size is not None:
+        raise ConfigError("give both --rank and --world-size, or neither (scheduler's layout)")
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return RankLayout(
+            _int(env, "RANK"),
+            _int(env, "WORLD_SIZE"),
+            _int(env, "LOCAL_RANK"),
+            _int(env, "LOCAL_WORLD_SIZE"),
+            _int(env, "GROUP_RANK"),
+            source="torchrun",
+        )
+    if env.get("SLURM_PROCID", "").strip():
+        return RankLayout(
+            _int(env, "SLURM_PROCID"),
+            _int(env, "SLURM_NTASKS"),
+            _int(env, "SLURM_LOCALID"),
+            _tasks_on_this_node(env),
+            _int(env, "SLURM_NODEID"),
+            source="slurm",
+        )
+    raise ConfigError(
+        "--rank and --world-size are needed: no scheduler's layout in the environment "
+        "(neither torchrun's TORCHELASTIC_RUN_ID/RANK nor Slurm's SLURM_PROCID)"
+    )
