@@ -9,9 +9,10 @@ Routes (GET or HEAD; anything else is 405)::
 
 With a token, every route wants it (``Authorization: Bearer TOKEN`` or ``?token=TOKEN``) and
 answers 401 without it; the comparison is :func:`hmac.compare_digest`. A request with a body
-is refused (413). Nothing here awaits the coordinator: a handler reads the observer's state,
-builds its answer without a checkpoint in between, and only then sends, so a slow client
-holds its own connection, never a round. Building is kept cheap: the state is built at most
+is refused (413). Every request first waits its turn in the request budget (at most
+:data:`REQUESTS_PER_S` over all clients, :mod:`flodl.observe.budget`). Nothing here awaits the
+coordinator: a handler reads the observer's state, builds its answer without a checkpoint in
+between, and only then sends, so a slow client holds its own connection, never a round. Building is kept cheap: the state is built at most
 once per :data:`STATE_TTL_S` whoever asks, and an event is encoded once, on first request.
 """
 
@@ -33,7 +34,14 @@ from flodl.observe.budget import RequestBudget
 from flodl.observe.hub import Observer
 from flodl.observe.metrics import CONTENT_TYPE, RunMetrics
 
-__all__ = ["EVENTS_BYTES_LIMIT", "EVENTS_LIMIT", "STATE_TTL_S", "DashboardApp"]
+__all__ = [
+    "EVENTS_BYTES_LIMIT",
+    "EVENTS_LIMIT",
+    "REQUESTS_PER_S",
+    "REQUEST_BURST",
+    "STATE_TTL_S",
+    "DashboardApp",
+]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -47,8 +55,6 @@ EVENTS_BYTES_LIMIT = 256 * 1024
 STATE_TTL_S = 0.2
 """``/api/state`` answers built within this many seconds of each other are the same one, so
 fifty clients cost no more than one."""
-
-
 REQUESTS_PER_S = 20.0
 """Requests answered per second over all clients (the page asks about twice a second per
 viewer, a Prometheus scrape once in 15 s); beyond, requests wait their turn
