@@ -12,8 +12,9 @@ answers 401 without it; the comparison is :func:`hmac.compare_digest`. A request
 is refused (413). Every request first waits its turn in the request budget (at most
 :data:`REQUESTS_PER_S` over all clients, :mod:`flodl.observe.budget`). Nothing here awaits the
 coordinator: a handler reads the observer's state, builds its answer without a checkpoint in
-between, and only then sends, so a slow client holds its own connection, never a round. Building is kept cheap: the state is built at most
-once per :data:`STATE_TTL_S` whoever asks, and an event is encoded once, on first request.
+between, and only then sends, so a slow client holds its own connection, never a round.
+Building is kept cheap: the state is built at most once per :data:`STATE_TTL_S` whoever
+asks, and an event is encoded once, on first request.
 """
 
 from __future__ import annotations
