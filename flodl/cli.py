@@ -128,6 +128,12 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
     )
 
 
+def _host_of(url: str) -> str:
+    """The host of a ``tcp://`` URL; 127.0.0.1 for a unix socket (same host)."""
+    parsed = parse_url(url)
+    return parsed.host if parsed.scheme == "tcp" and parsed.host else "127.0.0.1"
+
+
 def _ranks_of(flag: str, text: str | None) -> frozenset[int] | None:
     """``0,2,5`` (or ``0-3``) -> the set of ranks; None stays None. ConfigError if bad."""
     if text is None:
@@ -326,6 +332,18 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--policy", choices=[p.value for p in Policy], default="cadence")
     worker.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S")
     worker.add_argument(
+        "--master-addr",
+        default=None,
+        help="MASTER_ADDR for a script's own init_process_group (torchrun's flag; where rank 0 "
+        "runs; default: the coordinator's host)",
+    )
+    worker.add_argument(
+        "--master-port",
+        type=int,
+        default=29500,
+        help="MASTER_PORT for a script's own init_process_group (default 29500, as torchrun)",
+    )
+    worker.add_argument(
         "--host",
         default=None,
         help="this host's address for its peers (default: the address this host reaches the "
@@ -467,6 +485,8 @@ def _worker(args: argparse.Namespace) -> int:
     layout = layout_from(os.environ, rank=args.rank, world_size=args.world_size)
     check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
     check_seconds("--join-timeout", args.join_timeout)
+    if not 1 <= args.master_port <= 65535:
+        raise ConfigError(f"--master-port must be 1..65535, got {args.master_port}")
     if args.host is not None and not args.host.strip():
         raise ConfigError("--host must not be empty")
     check_script(args.script)
@@ -486,6 +506,8 @@ def _worker(args: argparse.Namespace) -> int:
         heartbeat_interval=min(1.0, args.heartbeat_timeout / 4),
         host=args.host,
         join_timeout=args.join_timeout,
+        master_addr=args.master_addr or _host_of(args.coordinator),
+        master_port=args.master_port,
         run_dir=args.run_dir.resolve(),
     )
     env = {**os.environ, **rank_env.variables()}

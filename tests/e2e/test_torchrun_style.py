@@ -89,3 +89,39 @@ def test_a_plain_ddp_script_runs_under_flodl_run_unchanged(tmp_path: Path) -> No
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "completed"
     assert [r["exit_code"] for r in summary["ranks"]] == [0, 0]
+
+
+def test_the_same_ddp_script_runs_under_flodl_worker(tmp_path: Path) -> None:
+    """Two `flodl worker`s (as on two hosts) start the plain script with torchrun's layout and
+    MASTER_ADDR/MASTER_PORT (--master-port, as torchrun's flag); it never needs the
+    coordinator, which is not even started."""
+    import secrets
+    import socket
+
+    (tmp_path / "out").mkdir()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(clean_env(), FLODL_SESSION_KEY=secrets.token_hex(32))
+    procs = []
+    for rank in range(2):
+        command = [sys.executable, "-m", "flodl.cli", "worker", "--coordinator"]
+        command += ["tcp://127.0.0.1:9", "--rank", str(rank), "--world-size", "2"]
+        command += ["--master-port", str(port), "--run-dir", str(tmp_path / "w")]
+        command += [str(SCRIPT), str(tmp_path / "out"), "--train"]
+        procs.append(
+            subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+        )
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    for rank, out in enumerate(outputs):
+        assert f"rank {rank}: replicas equal: True" in out
+    for theirs in envs(tmp_path / "out", 2):
+        assert (theirs["MASTER_ADDR"], theirs["MASTER_PORT"]) == ("127.0.0.1", str(port))
+        assert theirs["GROUP_RANK"] == "0" and theirs["LOCAL_WORLD_SIZE"] == "1"
