@@ -50,7 +50,7 @@ from flodl.launcher_signals import StopSignals, kill_rank_groups, say, watch_sig
 from flodl.observe.events import EVENTS_NAME
 from flodl.observe.hub import open_observer
 from flodl.observe.views import ViewConfig, run_views
-from flodl.rundir import check_overwrite_and_resume, claim_run_dir, fresh_run_dir
+from flodl.rundir import check_overwrite_and_resume, claim_run_dir, fresh_run_dir, set_aside
 from flodl.torchrun_env import OMP_NOTE, TorchrunLayout, free_port
 
 KEY_FILE_NAME = "session.key"
@@ -273,6 +273,10 @@ async def _launch(
     config: LaunchConfig, key: bytes | None, plan: ResumePlan | None
 ) -> dict[str, Any]:
     run_dir = config.run_dir
+    if plan is not None:  # each rank log holds one run; a restart within it appends
+        for log in sorted(run_dir.glob("rank*.log")):
+            if log.name.removeprefix("rank").removesuffix(".log").isdigit():
+                set_aside(log)
     key = key or secrets.token_bytes(32)
     key_file = write_session_key(run_dir, key)
     if config.transport == "unix":

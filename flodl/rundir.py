@@ -41,7 +41,7 @@ LOCK_NAME = "flodl.lock"
 # record at the top; the coordinator's meta and each rank's bundles under checkpoints/. Hidden
 # names are the temporary files of an atomic write a kill interrupted.
 _TOP = re.compile(
-    r"summary\.json|session\.key|coordinator\.sock|rank\d+\.(json|log)|events(\.\d+)?\.jsonl"
+    r"summary\.json|session\.key|coordinator\.sock|rank\d+\.(json|log)|rank\d+\.\d+\.log|events(\.\d+)?\.jsonl"
     r"|flodl\.rank\d+\.death\.json|\.rank\d+\.json\.\d+\.tmp"
 )
 _CHECKPOINTS = re.compile(r"coordinator\.meta\.json|\.coordinator\.meta\.json\.tmp-\d+-[0-9a-f]+")
@@ -53,6 +53,22 @@ _BUNDLE = re.compile(
     r"|\.death\.json)"
     r"|\..+\.tmp-\d+-[0-9a-f]+"
 )
+
+
+def set_aside(path: Path) -> Path | None:
+    """Rename ``path`` (``name.ext``) to ``name.<N>.ext``, N the first free number from 1, so
+    that a file a run writes holds that run only (a resumed run's rank logs and event log).
+    Returns the new path, or None when there was no file."""
+    if not path.exists():
+        return None
+    stem, suffix = path.name.split(".", 1) if "." in path.name else (path.name, "")
+    number = 1
+    while (
+        aside := path.with_name(f"{stem}.{number}.{suffix}" if suffix else f"{stem}.{number}")
+    ).exists():
+        number += 1
+    path.rename(aside)
+    return aside
 
 
 def fresh_run_dir(root: Path = RUNS_ROOT) -> Path:

@@ -154,3 +154,17 @@ def test_a_report_older_than_the_rank_is_not_read(tmp_path: Path) -> None:
     assert _read_json(report, since=written - 1) == {"batches": 999}
     os.utime(report, (written - 3600, written - 3600))
     assert _read_json(report, since=written - 1) == {}
+
+
+def test_set_aside_takes_the_first_free_number(tmp_path: Path) -> None:
+    from flodl.rundir import set_aside
+
+    assert set_aside(tmp_path / "rank0.log") is None
+    (tmp_path / "rank0.log").write_text("first run")
+    assert set_aside(tmp_path / "rank0.log") == tmp_path / "rank0.1.log"
+    (tmp_path / "rank0.log").write_text("second run")
+    assert set_aside(tmp_path / "rank0.log") == tmp_path / "rank0.2.log"
+    assert (tmp_path / "rank0.1.log").read_text() == "first run"
+    assert (tmp_path / "rank0.2.log").read_text() == "second run"
+    assert not (tmp_path / "rank0.log").exists()
+    assert [p.name for p in run_files(tmp_path)] == ["rank0.1.log", "rank0.2.log"]

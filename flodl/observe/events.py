@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import trio
 
 from flodl.core.timeline import TimelineEvent
+from flodl.rundir import set_aside
 
 __all__ = [
     "EVENTS_NAME",
@@ -43,15 +44,7 @@ def set_aside_earlier_log(run_dir: Path) -> Path | None:
     """Rename an earlier run's ``events.jsonl`` in ``run_dir`` (a resumed run, a coordinator
     folder used again) to ``events.<N>.jsonl``, N the next free number, so each log holds one
     run's history. Returns the new name, or None when there was none."""
-    path = run_dir / EVENTS_NAME
-    if not path.exists():
-        return None
-    number = 1
-    while (run_dir / f"events.{number}.jsonl").exists():
-        number += 1
-    aside = run_dir / f"events.{number}.jsonl"
-    path.rename(aside)
-    return aside
+    return set_aside(run_dir / EVENTS_NAME)
 
 
 def _clean(value: Any) -> Any:

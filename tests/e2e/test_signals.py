@@ -160,6 +160,13 @@ def test_ctrl_c_to_the_whole_group_saves_and_resumes_with_other_ranks(tmp_path: 
     assert summary["status"] == "completed" and summary["resumed_from"]
     assert summary["global_step"] > saved_step
     assert summary["final_metrics"]["test_accuracy"] >= 0.95, summary["epochs"]
+    # Each log holds one run: the first run's are set aside, the resumed run's are fresh.
+    for rank in range(2):
+        assert "epoch 0 started" in (run_dir / f"rank{rank}.1.log").read_text()
+        fresh = (run_dir / f"rank{rank}.log").read_text()
+        assert "epoch 0 started" not in fresh and "test accuracy" in fresh
+    assert (run_dir / "rank2.1.log").exists() and not (run_dir / "rank2.log").exists()
+    assert (run_dir / "events.1.jsonl").exists() and (run_dir / "events.jsonl").exists()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
