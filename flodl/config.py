@@ -100,6 +100,11 @@ class CoordinatorConfig:
     reduce_stall_ceiling: float | None = attrs.field(default=None, validator=_optional_positive)
     """None means ``max(10 x heartbeat_timeout, 300 s)``."""
     rendezvous_retry: float = attrs.field(default=5.0, validator=_positive)
+    backend: str | None = attrs.field(default=None)
+    """The ranks' backend (``auto``, ``gloo``, ``nccl``) sent to each worker; None: each rank's
+    own (``flodl run`` tells its ranks itself)."""
+    keep_checkpoints: int | None = attrs.field(default=None, validator=_optional_at_least_one)
+    """Bundles each rank keeps, sent to each worker; None: each rank's own."""
     join_timeout: float = attrs.field(default=300.0, validator=_positive)
     """Seconds the coordinator waits for every rank to join; then it starts with those that
     did while ``min_ranks`` allows, else fails naming the missing ones. A worker retries

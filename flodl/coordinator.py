@@ -60,7 +60,7 @@ from flodl.transports.readers import reader_for
 from flodl.wire.codec import EncodedMessage, encode_message
 from flodl.wire.fields import MAX_TEXT
 from flodl.wire.handshake import check_session_key
-from flodl.wire.messages import Abort, CoordHeartbeat, Message
+from flodl.wire.messages import Abort, CoordHeartbeat, Message, RunSettings
 
 _Outgoing = Message | EncodedMessage
 """What a rank's queue holds: a message, or one whose payload a broadcast encoded once."""
@@ -127,6 +127,15 @@ class Coordinator:
         self._tasks: trio.Nursery | None = None
         """Where the shared readers' tasks run (the coordinator's nursery)."""
         self._readers: dict[type[ChannelReader], ChannelReader] = {}
+        self.run_settings = RunSettings(
+            policy=config.policy.value,
+            seed=machine.seed,
+            heartbeat_interval=config.heartbeat_interval,
+            heartbeat_timeout=config.heartbeat_timeout,
+            backend=config.backend,
+            keep_checkpoints=config.keep_checkpoints or 0,
+        )
+        """Sent to each rank first: the settings a worker takes from its coordinator."""
         self._sinks: list[EventSink] = []
         self._published = 0
         """Sequence number of the first timeline event no sink has been handed yet."""
@@ -196,6 +205,7 @@ class Coordinator:
             with scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._write_loop, link)
+                    self._enqueue(link, self.run_settings)
                     self._perform(self._machine.on_connect(rank, trio.current_time()))
                     reader = self._shared_reader(channel)
                     if reader is not None:

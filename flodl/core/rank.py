@@ -84,6 +84,7 @@ from flodl.wire.messages import (
     Note,
     Ready,
     RequestNewGroup,
+    RunSettings,
     SaveConsensusModel,
     SetGlobalStep,
     Shutdown,
@@ -248,8 +249,8 @@ class RankMachine:
             return []
         if isinstance(message, Abort):  # the next boundary raises RunAborted
             return [CancelRound(), Wake()] if life.abort(message.reason) else []
-        if isinstance(message, CoordHeartbeat):
-            return []
+        if isinstance(message, CoordHeartbeat | RunSettings):
+            return []  # RunSettings: the shell applied them before the machine was built
         if isinstance(message, EpochAggregated):
             self.last_epoch = message
             return []

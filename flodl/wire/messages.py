@@ -196,6 +196,21 @@ class Abort(Message):
     reason: str = text()
 
 
+@attrs.frozen
+class RunSettings(Message):
+    """The run's settings, the coordinator's first message to each rank it admits: a worker
+    takes them where it was told nothing, and refuses to run where it was told otherwise.
+    ``backend`` None and ``keep_checkpoints`` 0: the rank's own choice."""
+
+    TAG: ClassVar[int] = 16
+    policy: str = text()
+    seed: int = u64()
+    heartbeat_interval: float = f64()
+    heartbeat_timeout: float = f64()
+    backend: str | None = opt_text()
+    keep_checkpoints: int = u64(default=0)
+
+
 # --- rank -> coordinator (tags 64..127) -----------------------------------------------------
 
 
@@ -338,6 +353,7 @@ TO_RANK: tuple[type[Message], ...] = (
     CoordHeartbeat,
     EpochAggregated,
     Abort,
+    RunSettings,
 )
 """Messages the coordinator sends to ranks."""
 

@@ -25,6 +25,7 @@ from flodl.wire.messages import (
     DeclareDead,
     NewGroupSession,
     RequestNewGroup,
+    RunSettings,
     SaveReason,
     Shutdown,
     ShutdownWithSave,
@@ -362,6 +363,7 @@ async def test_a_rank_lying_about_its_id_is_dropped_and_honest_ranks_go_on(
         stream = await connect(cluster.url)
         channel = await connect_rank(stream, TEST_KEY, 1, 2)
         lie = Batch(rank=0, batch_ms=1.0, data_ms=0.0, step_count=1, batch_loss=0.5)
+        assert isinstance(await channel.receive(), RunSettings)  # the first message, always
         await channel.send(lie)
         with pytest.raises((ChannelClosed, BrokenChannel)):
             await channel.receive()

@@ -50,6 +50,7 @@ from flodl.wire.messages import (
     NewGroupSession,
     Note,
     RequestNewGroup,
+    RunSettings,
     SaveConsensusModel,
     SaveReason,
     SetGlobalStep,
@@ -120,6 +121,9 @@ MESSAGES: dict[str, Message] = {
     "Shutdown": Shutdown(),
     "ShutdownWithSave": ShutdownWithSave(reason=SaveReason.GRACEFUL),
     "Abort": Abort(reason="the run could not start"),
+    "RunSettings": RunSettings(
+        policy="cadence", seed=0, heartbeat_interval=1.0, heartbeat_timeout=10.0
+    ),
 }
 
 
@@ -169,6 +173,7 @@ def common(state: RankState, name: str) -> tuple[list[RankEffect], Seen] | None:
         return GROUP_REACTIONS[name], Seen(state)
     outcomes: dict[str, tuple[list[RankEffect], Seen]] = {
         "CoordHeartbeat": ([], Seen(state)),
+        "RunSettings": ([], Seen(state)),  # the shell's: applied before the machine exists
         "SetGlobalStep": ([], Seen(state, global_step=9)),
         "Throttle": ([Wake()], Seen(state, throttled=True)),
         "EpochAggregated": ([], Seen(state, last_epoch=SUMMARY)),
