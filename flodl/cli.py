@@ -83,6 +83,8 @@ def _check_coordinator_flags(args: argparse.Namespace) -> None:
     them by a setting's name (or one derived from it) the user never typed."""
     check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
     check_seconds("--join-timeout", args.join_timeout)
+    if args.keep_checkpoints is not None:
+        check_at_least("--keep-checkpoints", args.keep_checkpoints, 1)
     if args.stall_ceiling is not None:
         check_seconds("--stall-ceiling", args.stall_ceiling)
     check_at_least("--anchor", args.anchor, 1)
@@ -125,6 +127,9 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         checkpoint_every_epochs=args.checkpoint_every_epochs,
         min_ranks=args.min_ranks,
         join_timeout=args.join_timeout,
+        # What flodl run also tells its ranks itself; sent to flodl worker's.
+        backend=args.backend,
+        keep_checkpoints=args.keep_checkpoints,
     )
 
 
@@ -302,6 +307,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("runs/coordinator"),
         help="where the coordinator writes summary.json (default: runs/coordinator)",
     )
+    coord.add_argument(
+        "--backend",
+        choices=["auto", "gloo", "nccl"],
+        default=None,
+        help="the ranks' backend, sent to each worker (default: each rank's own, auto)",
+    )
+    coord.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=None,
+        metavar="K",
+        help="bundles each rank keeps, sent to each worker (default: each rank's own, 2)",
+    )
     _add_coordinator_options(coord)
     _add_view_options(coord)
 
@@ -328,9 +346,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: from Slurm's or torchrun's variables",
     )
-    worker.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    worker.add_argument("--policy", choices=[p.value for p in Policy], default="cadence")
-    worker.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S")
+    # Unset, these are the coordinator's (RunSettings); set, they must agree with it.
+    worker.add_argument(
+        "--backend",
+        choices=["auto", "gloo", "nccl"],
+        default=None,
+        help="default: the coordinator's",
+    )
+    worker.add_argument(
+        "--policy",
+        choices=[p.value for p in Policy],
+        default=None,
+        help="default: the coordinator's",
+    )
+    worker.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="default: the coordinator's",
+    )
     worker.add_argument(
         "--master-addr",
         default=None,
@@ -483,14 +518,16 @@ def _worker(args: argparse.Namespace) -> int:
     if args.rank is not None and args.world_size is not None and args.rank >= args.world_size:
         raise ConfigError(f"--rank must be below --world-size ({args.world_size}), got {args.rank}")
     layout = layout_from(os.environ, rank=args.rank, world_size=args.world_size)
-    check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
+    if args.heartbeat_timeout is not None:
+        check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
     check_seconds("--join-timeout", args.join_timeout)
     if not 1 <= args.master_port <= 65535:
         raise ConfigError(f"--master-port must be 1..65535, got {args.master_port}")
     if args.host is not None and not args.host.strip():
         raise ConfigError("--host must not be empty")
     check_script(args.script)
-    check_backend_on_host(args.backend, layout.local_world_size)
+    if args.backend is not None:
+        check_backend_on_host(args.backend, layout.local_world_size)
     session_key_from_env()  # fail early, here, if the key is missing
     rank_env = RankEnv(
         coordinator=args.coordinator,
@@ -499,11 +536,13 @@ def _worker(args: argparse.Namespace) -> int:
         local_rank=layout.local_rank,
         local_world_size=layout.local_world_size,
         backend=args.backend,
-        policy=Policy(args.policy),
+        policy=None if args.policy is None else Policy(args.policy),
         heartbeat_timeout=args.heartbeat_timeout,
         # As `flodl run` and `flodl coordinator` derive it: the rank beacons at the
         # coordinator's pace, and a timeout under 1 s stays above the interval.
-        heartbeat_interval=min(1.0, args.heartbeat_timeout / 4),
+        heartbeat_interval=(
+            None if args.heartbeat_timeout is None else min(1.0, args.heartbeat_timeout / 4)
+        ),
         host=args.host,
         join_timeout=args.join_timeout,
         master_addr=args.master_addr or _host_of(args.coordinator),

@@ -48,6 +48,11 @@ class WorkerConfig:
     debug_param_hashes: bool = False
     keep_checkpoints: int = 2
     """Bundles this rank keeps under ``<run_dir>/checkpoints/rank<N>/`` (older ones are pruned)."""
+    given: frozenset[str] | None = None
+    """Read from an environment (:meth:`from_env`): the settings it set. The coordinator's
+    :class:`~flodl.wire.messages.RunSettings` fill in the others, and contradicting one is an
+    error (:func:`flodl.worker.settings.adopt`). None (a config built in code): every value is
+    the caller's and the coordinator's settings are not asked for."""
 
     def __attrs_post_init__(self) -> None:
         if self.world_size < 1:
@@ -116,5 +121,6 @@ class WorkerConfig:
             op_timeout=given.op_timeout,
             resume=given.resume,
             debug_param_hashes=given.debug_param_hashes,
+            given=frozenset(set_here),
             **set_here,
         )

@@ -69,6 +69,7 @@ from flodl.worker.persist import restore_rank_bundle
 from flodl.worker.records import record_death, report_path, write_json_atomic
 from flodl.worker.rounds import RoundRunner
 from flodl.worker.saving import BundleSaver
+from flodl.worker.settings import receive_settings
 from flodl.worker.staging import StagedBatch
 from flodl.worker.wakeup import Wakeup
 
@@ -412,24 +413,34 @@ async def open_worker(
     closed (no live process group outlives it), the connection closed and ``rank<N>.json``
     written. An exception from the block propagates unchanged (not wrapped in a group).
     """
-    if backend is None:
-        from flodl.backends import open_backend
-
-        backend = open_backend(
-            config.backend,
-            local_rank=config.local_rank,
-            local_world_size=config.local_world_size,
-            op_timeout=config.collective_timeout,
+    resumed_step = None
+    if config.resume is not None:  # before connecting: the coordinator would hear no beat
+        resumed_step = await trio.to_thread.run_sync(
+            restore_rank_bundle, config.resume, config.rank, model, optimizer
         )
-    worker = Worker(config, model, optimizer, backend)
+    channel = await open_channel(config)
+    try:
+        config = await receive_settings(channel, config)  # the coordinator's, where unset
+        if backend is None:
+            from flodl.backends import open_backend
+
+            backend = open_backend(
+                config.backend,
+                local_rank=config.local_rank,
+                local_world_size=config.local_world_size,
+                op_timeout=config.collective_timeout,
+            )
+        worker = Worker(config, model, optimizer, backend)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await channel.aclose()
+        raise
     body_error: Exception | None = None
     try:
-        if config.resume is not None:
-            worker.machine.global_step = await trio.to_thread.run_sync(
-                restore_rank_bundle, config.resume, config.rank, model, optimizer
-            )
-        worker._channel = worker._outbox.channel = await open_channel(config)
-        worker._membership.host = config.host or local_address(worker._channel.stream)
+        if resumed_step is not None:
+            worker.machine.global_step = resumed_step
+        worker._channel = worker._outbox.channel = channel
+        worker._membership.host = config.host or local_address(channel.stream)
         worker._started_at = trio.current_time()
         async with trio.open_nursery() as nursery:
             worker._start_tasks(nursery)
