@@ -77,9 +77,10 @@ def test_workers_started_before_the_coordinator_join_and_train(tmp_path: Path) -
     url = f"tcp://127.0.0.1:{free_port()}"
     procs = [start(worker(url, rank, 2, tmp_path / "w"), env) for rank in range(2)]
     try:
-        for proc in procs:  # nothing listens yet: they keep trying rather than fail
-            with pytest.raises(subprocess.TimeoutExpired):
-                proc.wait(timeout=2.5)
+        # Nothing listens for 5 s: they keep trying rather than fail.
+        with pytest.raises(subprocess.TimeoutExpired):
+            procs[0].wait(timeout=5.0)
+        assert procs[1].poll() is None
         procs.append(start(coordinator(url, 2, tmp_path / "c"), env))
     finally:
         outputs = finish(procs)
