@@ -14,12 +14,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# Debian's Chromium for the dashboard's browser test (it skips without); root only. The tests
-# need it, the demo does not.
+# Debian packages the tests need and the demo does not (root only): Chromium for the
+# dashboard's browser test, iproute2 for the two-host test.
 browser:
 	@if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null; then \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium chromium-driver) \
 		|| echo "chromium not installed: tests/e2e/test_dashboard_browser.py will skip"; fi
+	@# iproute2's `ip` for the two-host test in network namespaces (it skips without).
+	@if [ "$$(id -u)" = 0 ] && ! command -v ip >/dev/null; then \
+		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends iproute2) \
+		|| echo "iproute2 not installed: tests/e2e/test_netns.py will skip"; fi
 
 setup: $(STAMP)
 
