@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser test lint typecheck unit demo wire-demo bench clean
+.PHONY: setup test-packages test lint typecheck unit demo wire-demo bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 # Debian packages the tests need and the demo does not (root only): Chromium for the
 # dashboard's browser test, iproute2 for the two-host test.
-browser:
+test-packages:
 	@if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null; then \
 		(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium chromium-driver) \
 		|| echo "chromium not installed: tests/e2e/test_dashboard_browser.py will skip"; fi
@@ -34,7 +34,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP) browser
+unit: $(STAMP) test-packages
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck unit
