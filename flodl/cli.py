@@ -410,10 +410,11 @@ def _run(args: argparse.Namespace) -> int:
     from flodl.rundir import fresh_run_dir, point_latest
 
     # Every check here runs before any rank starts: a usage error is one message, exit 2.
+    args.nproc = nproc_of(args.nproc)  # a number from here on (--min-ranks is checked by it)
     config = LaunchConfig(
         script=args.script,
         script_args=tuple(args.script_args),
-        nproc=nproc_of(args.nproc),
+        nproc=args.nproc,
         transport=args.transport,
         backend=args.backend,
         run_dir=args.run_dir or fresh_run_dir(),
