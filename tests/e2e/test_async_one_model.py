@@ -19,17 +19,9 @@ import pytest
 import torch
 
 from flodl.checkpoint import find_latest, load_bundle
-from tests.worker.procs import DIGITS, ROOT
+from tests.worker.procs import DIGITS, ROOT, pid_alive
 
 RANKS = (0, 1, 2)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _digest(state: dict[str, torch.Tensor]) -> str:
@@ -56,7 +48,7 @@ def test_an_async_run_ends_with_the_same_weights_and_metrics_on_every_rank(
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed"
-    assert not any(_alive(r["pid"]) for r in summary["ranks"] if r.get("pid"))
+    assert not any(pid_alive(r["pid"]) for r in summary["ranks"] if r.get("pid"))
 
     reports = [json.loads((run_dir / f"rank{rank}.json").read_text()) for rank in RANKS]
     assert len({report["batches"] for report in reports}) > 1  # they did train apart

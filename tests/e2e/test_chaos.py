@@ -16,7 +16,6 @@ store; SIGSTOP; a collective that never ends). Every scenario asserts that
 from __future__ import annotations
 
 import json
-import os
 import signal
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ import trio
 
 from flodl.config import CoordinatorConfig
 from flodl.launcher import LaunchConfig, launch
+from tests.worker.procs import pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -140,18 +140,10 @@ async def chaos_run(
     return run
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def assert_no_process_left(run: ChaosRun) -> None:
     pids = run.started_pids()
     assert len(pids) >= run.summary["nproc"]
-    assert [pid for pid in pids if _alive(pid)] == [], run.summary["ranks"]
+    assert [pid for pid in pids if pid_alive(pid)] == [], run.summary["ranks"]
 
 
 def assert_completed(run: ChaosRun, survivors: Sequence[int]) -> None:

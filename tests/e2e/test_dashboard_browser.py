@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests.worker.procs import pid_alive
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,14 +43,6 @@ def _find(*names: str) -> str | None:
 
 CHROMIUM = _find("chromium", "chromium-browser", "google-chrome")
 CHROMEDRIVER = _find("chromedriver", "/usr/lib/chromium/chromedriver")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @contextmanager
@@ -172,4 +166,4 @@ def test_the_page_shows_every_rank_and_rounds_going_up(tmp_path: Path) -> None:
     summary = (run_dir / "summary.json").read_text()
     pids = [int(p) for p in re.findall(r'"pid": (\d+)', summary)]
     assert len(pids) == 3
-    assert not any(_alive(pid) for pid in [*pids, driver_pid, process.pid])
+    assert not any(pid_alive(pid) for pid in [*pids, driver_pid, process.pid])

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import attrs
 
+from tests.worker.procs import pid_alive
+
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 """A CSI escape sequence: colours, cursor moves, erasing, cursor shown/hidden."""
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,18 +129,10 @@ def run_on_pipe(run_dir: Path, *args: str) -> Finished:
     return Finished(done.returncode, done.stdout.decode(errors="replace"), run_dir)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def assert_no_rank_left(run: Finished) -> None:
     """Every rank process the run started has gone."""
     summary = run.summary()
     ranks = summary["ranks"]
     assert isinstance(ranks, list)
     pids = [int(rank["pid"]) for rank in ranks]
-    assert pids and [pid for pid in pids if alive(pid)] == []
+    assert pids and [pid for pid in pids if pid_alive(pid)] == []

@@ -21,6 +21,7 @@ from flodl.observe.events import read_events
 from flodl.observe.report import write_report
 from flodl.observe.report_plots import PLOTS
 from tests.observe.sample_log import records, write_log
+from tests.worker.procs import pid_alive
 
 PLOT_FILES = [f"{plot.name}.svg" for plot in PLOTS]
 EXPECTED_PLOTS = {
@@ -171,14 +172,6 @@ FLODL = [sys.executable, "-m", "flodl.cli"]
 VICTIM = 2
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` in a session of its own; whatever is left of it is SIGKILLed after."""
     process = subprocess.Popen(
@@ -216,10 +209,10 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         # exit 0.
         assert (ran.returncode, summary["status"]) == (1, "completed"), ran.stdout
         pids = {int(r["pid"]) for r in summary["ranks"]} | _rank_pids(run_dir)
-        assert len(pids) == 3 and not [pid for pid in pids if _alive(pid)]
+        assert len(pids) == 3 and not [pid for pid in pids if pid_alive(pid)]
     finally:
         for pid in _rank_pids(run_dir):  # a failed run's ranks live in sessions of their own
-            if _alive(pid):
+            if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     report = _run([*FLODL, "report", str(run_dir), "--tensorboard", str(run_dir / "tb")], 60)
     assert report.returncode == 0, report.stdout

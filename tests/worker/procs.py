@@ -116,3 +116,12 @@ def live_in_groups(groups: Sequence[int]) -> list[int]:
         if fields[0] != "Z" and int(fields[2]) in groups:
             found.append(int(stat.parent.name))
     return found
+
+
+def pid_alive(pid: int) -> bool:
+    """A process with this pid exists (a zombie counts: it is not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
