@@ -6,9 +6,12 @@ in the middle of a collective, so it waits until the round settles (:attr:`Endin
 A run that cannot go on (too many failures or too few survivors, see
 :meth:`Ending.unrecoverable`; a stalled average; no group could be formed) or a stop with a
 save is *saved*: ``ShutdownWithSave`` goes out at once to every rank still connected, whatever
-it is doing. A run whose world never formed *fails*: every rank still connected gets
-``Abort`` with the reason, so no rank's script takes the end for a completed run. Pure: no
-clocks, no I/O.
+it is doing. A stop with a save that was asked for (a signal, an ``Intent``) first waits for
+the round in flight to settle, up to the heartbeat timeout (:meth:`Ending.save_when_settled`):
+a rank stopped in the middle of a collective strands its peers in it, and each then waits out
+the collective timeout before it can exit, longer than the launcher's exit grace. A run whose
+world never formed *fails*: every rank still connected gets ``Abort`` with the reason, so no
+rank's script takes the end for a completed run. Pure: no clocks, no I/O.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class Ending:
         self.outcome = Outcome(Status.RUNNING)
         self.pending = False
         """A Shutdown waits for the round in flight to settle."""
+        self.held_save: tuple[SaveReason, str, float] | None = None
+        """A save that waits for the round in flight: its reason, why, and until when."""
 
     @property
     def over(self) -> bool:
@@ -82,6 +87,31 @@ class Ending:
         self.outcome = Outcome(Status.SAVED, reason, why)
         self._timeline.add(now, EventKind.SAVE_REQUESTED, reason=reason.name, why=why)
         return [Broadcast(ShutdownWithSave(reason=reason))]
+
+    def save_when_settled(self, reason: SaveReason, now: float, why: str) -> list[Broadcast]:
+        """End the run with a save once the round in flight settles (at once when none is),
+        or at :attr:`held_until` if it has not by then (:meth:`release_save`)."""
+        if self._cycle.may_shutdown():
+            return self.save(reason, now, why)
+        if self.held_save is None:
+            self.held_save = (reason, why, now + self._settings.timeouts.heartbeat)
+        return []
+
+    @property
+    def held_until(self) -> float | None:
+        """When a held save goes out even though the round has not settled (None: none held)."""
+        return None if self.held_save is None else self.held_save[2]
+
+    def release_save(self, now: float, settled: bool) -> list[Broadcast]:
+        """Send the held save (none held, or the run already ended: nothing). ``settled``:
+        the round settled; else the wait ran out, which the reason's text says."""
+        held, self.held_save = self.held_save, None
+        if held is None or self.over:
+            return []
+        reason, why, _until = held
+        if not settled:
+            why += "; the round in flight had not settled within the heartbeat timeout"
+        return self.save(reason, now, why)
 
     def shutdown(self, now: float, why: str) -> list[Broadcast]:
         """End the run without a save; while a round is in flight, only once it settles."""

@@ -202,6 +202,7 @@ class CoordinatorMachine:
             self.liveness.next_deadline(),
             self.rounds.next_deadline(),
             self.rendezvous.next_deadline(),
+            self.ending.held_until,
             join_deadline if join_deadline is None or self._awaits_joins() else None,
         ):
             if deadline is not None and deadline < best:
@@ -257,7 +258,7 @@ class CoordinatorMachine:
         if self.finished:
             return []
         if save:
-            return list(self.ending.save(SaveReason.GRACEFUL, now, "stop requested"))
+            return list(self.ending.save_when_settled(SaveReason.GRACEFUL, now, "stop requested"))
         return self._shutdown(now, "stop requested")
 
     # --- events: messages -------------------------------------------------------------------
@@ -290,7 +291,7 @@ class CoordinatorMachine:
                 self.rounds.request_checkpoint(rank)
             if message.kind is IntentKind.SAVE_AND_STOP:
                 why = f"rank {rank} asked to stop"
-                return list(self.ending.save(SaveReason.GRACEFUL, now, why))
+                return list(self.ending.save_when_settled(SaveReason.GRACEFUL, now, why))
             return []
         if isinstance(message, CheckpointResult):
             self.timeline.add(
@@ -323,6 +324,9 @@ class CoordinatorMachine:
         if self.cycle.check_stall(now):
             why = "averaging round unacknowledged past the ceiling"
             return effects + self.ending.save(SaveReason.REDUCE_STALL, now, why)
+        held_until = self.ending.held_until
+        if held_until is not None and now >= held_until:
+            return effects + self.ending.release_save(now, settled=False)
         effects += self._regroup(self.rendezvous.poll(now, self._eligible()), now)
         wait_until = self.rounds.wait_until
         if wait_until is not None and now >= wait_until:
@@ -509,6 +513,8 @@ class CoordinatorMachine:
 
     def _round_settled(self, now: float) -> list[Effect]:
         effects: list[Effect] = list(self.rounds.settled(now))
+        if self.ending.held_save is not None:
+            return effects + self.ending.release_save(now, settled=True)
         if self.ending.pending:
             return effects + self._shutdown(now, "stop requested")
         return effects + self.rounds.close_epochs(now)

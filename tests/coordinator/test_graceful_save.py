@@ -1,0 +1,99 @@
+"""A stop with a save that was asked for (Ctrl-C, SIGTERM, a rank's Intent) waits for the
+averaging round in flight: ShutdownWithSave goes out once that round has settled, so no rank
+is stopped in the middle of a collective (which would strand its peers in it for the
+collective timeout). A round that does not settle goes out anyway after the heartbeat timeout.
+Real coordinator and channels, scripted ranks, MockClock."""
+
+from __future__ import annotations
+
+import trio
+from trio.testing import MockClock
+
+from flodl.config import CoordinatorConfig
+from flodl.core.machine import Status
+from flodl.core.timeline import EventKind, TimelineEvent
+from flodl.testing import Cluster, RankScript, open_cluster
+from flodl.wire.messages import SaveReason, ShutdownWithSave
+
+CONFIG = CoordinatorConfig(heartbeat_timeout=10.0)
+
+
+def round_started(cluster: Cluster, *, window: bool = True) -> trio.Event:
+    """Set as a round starts: the first that closes a window of batches, or (``window``
+    False) any, the initial one included."""
+    started = trio.Event()
+
+    def sink(_seq: int, event: TimelineEvent) -> None:
+        if event.kind is EventKind.SYNC_START and (
+            not window or any(event.detail.get("steps") or ())
+        ):
+            started.set()
+
+    cluster.coordinator.add_event_sink(sink)
+    return started
+
+
+def times_of(cluster: Cluster, kind: EventKind) -> list[float]:
+    return [e.time for e in cluster.coordinator.timeline if e.kind is kind]
+
+
+async def test_a_stop_asked_for_mid_round_is_sent_once_the_round_settles(
+    autojump_clock: MockClock,
+) -> None:
+    scripts = [RankScript(ms_per_batch=10, collective_ms=2000) for _ in range(3)]
+    async with open_cluster(scripts, dataset_size=20_000, config=CONFIG) as cluster:
+        await round_started(cluster).wait()
+        asked_at = trio.current_time()
+        cluster.coordinator.request_stop(save=True)
+        assert not cluster.coordinator.machine.finished  # held for the round in flight
+        await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    machine = cluster.coordinator.machine
+    assert (machine.outcome.status, machine.outcome.save_reason) == (
+        Status.SAVED,
+        SaveReason.GRACEFUL,
+    )
+    assert machine.outcome.message == "stop requested"
+    (saved_at,) = times_of(cluster, EventKind.SAVE_REQUESTED)
+    last_round_end = max(times_of(cluster, EventKind.SYNC_END))
+    assert asked_at < last_round_end <= saved_at < asked_at + 2.1
+    for scripted in cluster.ranks:
+        assert isinstance(scripted.record.ended_by, ShutdownWithSave)
+        assert scripted.record.abandoned == 0  # nobody left a collective half done
+
+
+async def test_a_stop_held_for_a_round_that_never_settles_goes_out_after_the_heartbeat_timeout(
+    autojump_clock: MockClock,
+) -> None:
+    # The hung rank never finishes the initial round, which is in flight when the stop comes.
+    scripts = [RankScript(ms_per_batch=10), RankScript(ms_per_batch=10, hang_collectives=True)]
+    async with open_cluster(scripts, dataset_size=20_000, config=CONFIG) as cluster:
+        await round_started(cluster, window=False).wait()
+        asked_at = trio.current_time()
+        cluster.coordinator.request_stop(save=True)
+        await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    outcome = cluster.coordinator.machine.outcome
+    assert outcome.save_reason is SaveReason.GRACEFUL
+    assert "had not settled within the heartbeat timeout" in outcome.message
+    (saved_at,) = times_of(cluster, EventKind.SAVE_REQUESTED)
+    assert saved_at - asked_at == 10.0
+    assert all(isinstance(r.record.ended_by, ShutdownWithSave) for r in cluster.ranks)
+
+
+async def test_a_stop_asked_for_between_rounds_is_sent_at_once(autojump_clock: MockClock) -> None:
+    scripts = [RankScript(ms_per_batch=10, collective_ms=1) for _ in range(2)]
+    async with open_cluster(scripts, dataset_size=20_000, config=CONFIG) as cluster:
+        ended = trio.Event()
+
+        def sink(_seq: int, event: TimelineEvent) -> None:
+            if event.kind is EventKind.SYNC_END and event.detail.get("round", 0) >= 2:
+                ended.set()
+
+        cluster.coordinator.add_event_sink(sink)
+        await ended.wait()
+        cluster.coordinator.request_stop(save=True)
+        assert cluster.coordinator.machine.finished
+        await cluster.wait_ranks_done()
+    (saved_at,) = times_of(cluster, EventKind.SAVE_REQUESTED)
+    assert saved_at == max(times_of(cluster, EventKind.SYNC_END))
