@@ -350,7 +350,7 @@ def test_on_a_terminal_the_live_table_shows_above_the_summary(tmp_path: Path) ->
     for marker in ("samples/s", "heartbeat", "averaging", "rank 0 ", "rank 1 ", "ETA", "━"):
         assert marker in plain, marker
     assert "round " in plain and "epoch 2/2" in plain and "policy cadence" in plain
-    assert "[rank 0] rank 0: test accuracy" in plain and "[rank 1] rank 1: epoch 1 started" in plain
+    assert "[rank 0] rank 0: test accuracy" in plain and "[rank 1] rank 1: epoch 0 started" in plain
     # The terminal is given back before the summary: nothing is drawn after it.
     summary_at = run.output.index("flodl: run completed")
     assert ANSI.search(run.output[summary_at:]) is None
@@ -379,7 +379,7 @@ def test_on_a_pipe_plain_lines(tmp_path: Path) -> None:
     assert_summary(run)
     lines = run.output.splitlines()
     assert (
-        "[rank 0] rank 0: epoch 0 started" in lines and "[rank 1] rank 1: epoch 1 started" in lines
+        "[rank 0] rank 0: epoch 0 started" in lines and "[rank 1] rank 1: epoch 0 started" in lines
     )
     events = [line for line in lines if EVENT_LINE.match(line)]
     assert events[-1].endswith(" shutdown: all epochs done"), events
