@@ -22,9 +22,19 @@ side in one run (gloo, CPU, ``torch.set_num_threads(1)`` in every rank):
     wait share (``ddp_fast_rank_allreduce_wait_share``, which holds both its waiting and its
     communication).
 
-The machine may be shared: the 1-minute load average is recorded before and after each part.
-``--quick`` shrinks everything (2 ranks, tiny models, one epoch) for the smoke test; its
-figures mean nothing.
+(c) **Goodput against the ceiling** (:mod:`ceiling`): the ceiling is the same ranks (same
+    processes, model, batch size and per-rank slowdown) training with no communication at
+    all, all at once on this machine, each for as long as flodl's training window of the same
+    configuration; its samples/s is the sum over its ranks, over the same kind of window
+    (first batch on any rank to the end of the last rank's loop; start-up and group forming
+    excluded on both sides). ``goodput_vs_ceiling`` = flodl samples/s / ceiling samples/s,
+    for (b)'s configuration (target >= 0.90, with the accuracy gap of (b)) and in
+    ``goodput_table`` for every rank count of ``--nprocs`` and skew of ``--skews`` (the
+    last rank that much slower; the (b) row is (b)'s run, with DDP).
+
+The machine may be shared: the 1-minute load average is recorded before and after each part
+and row (``load_average_1m``: before the bench). ``--quick`` shrinks everything (2 ranks, tiny
+models, one epoch, skews 1 and 2.5) for the smoke test; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -36,13 +46,16 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import benchenv
 import trio
 from averaging_overhead import run_overhead
 from benchenv import load
+from ceiling import run_ceiling
 from ddp_baseline import run_ddp
 from training_task import TaskConfig
 
@@ -57,6 +70,7 @@ OVERHEAD_TARGET = 1.15
 SPEEDUP_TARGET = 1.5
 IDLE_TARGET = 0.05
 ACCURACY_GAP_TARGET = 0.5
+GOODPUT_TARGET = 0.90
 
 
 def environment() -> dict[str, object]:
@@ -139,27 +153,71 @@ def run_ddp_side(task: TaskConfig, nproc: int) -> dict[str, Any]:
     }
 
 
+def run_ceiling_side(task: TaskConfig, nproc: int, duration_s: float) -> dict[str, Any]:
+    """The same ranks training alone, no communication, for ``duration_s``: the ceiling."""
+    reports = run_ceiling(task, nproc, duration_s)
+    samples = sum(int(r["samples"]) for r in reports)
+    wall = window(reports)
+    return {
+        "samples": samples,
+        "window_s": round(wall, 3),
+        "samples_per_s": round(samples / wall, 1),
+        "test_accuracy_mean": statistics.mean(r["test_accuracy"] for r in reports),
+        "per_rank_samples": [int(r["samples"]) for r in reports],
+    }
+
+
+def timed(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``run(*args)``'s result with the seconds it took, processes and all (``process_wall_s``)."""
+    started = time.perf_counter()
+    result = run(*args)
+    result["process_wall_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def goodput_row(task: TaskConfig, nproc: int, coordinator: CoordinatorConfig) -> dict[str, Any]:
+    """flodl, then the ceiling for as long as flodl's window: one row of the goodput table.
+
+    The ceiling trains for flodl's window length so both are measured over windows of the
+    same length (the first steps' warm-up weighs the same on both)."""
+    row: dict[str, Any] = {"load_before": load()}
+    row["flodl"] = timed(run_flodl, task, nproc, coordinator)
+    duration = row["flodl"]["window_s"]
+    row["ceiling"] = timed(run_ceiling_side, task, nproc, duration)
+    row["load_after"] = load()
+    row["goodput_vs_ceiling"] = round(
+        row["flodl"]["samples_per_s"] / row["ceiling"]["samples_per_s"], 3
+    )
+    return row
+
+
 def throughput(
     task: TaskConfig, nproc: int, coordinator: CoordinatorConfig, repeats: int
 ) -> dict[str, Any]:
-    """``repeats`` pairs of runs, DDP and flodl alternating first; medians over the pairs."""
+    """``repeats`` runs of flodl, the ceiling and DDP (DDP first every other time, the ceiling
+    always right after flodl, for flodl's window length); medians over the repeats."""
     runs: list[dict[str, Any]] = []
     for repeat in range(repeats):
         pair: dict[str, Any] = {"load_before": load()}
         order = ("ddp", "flodl") if repeat % 2 == 0 else ("flodl", "ddp")
         for side in order:
-            started = time.perf_counter()
             if side == "ddp":
-                pair["ddp"] = run_ddp_side(task, nproc)
+                pair["ddp"] = timed(run_ddp_side, task, nproc)
             else:
-                pair["flodl"] = run_flodl(task, nproc, coordinator)
-            pair[side]["process_wall_s"] = round(time.perf_counter() - started, 1)
+                pair["flodl"] = timed(run_flodl, task, nproc, coordinator)
+                duration = pair["flodl"]["window_s"]
+                pair["ceiling"] = timed(run_ceiling_side, task, nproc, duration)
         pair["load_after"] = load()
         pair["speedup"] = round(pair["flodl"]["samples_per_s"] / pair["ddp"]["samples_per_s"], 3)
+        pair["goodput_vs_ceiling"] = round(
+            pair["flodl"]["samples_per_s"] / pair["ceiling"]["samples_per_s"], 3
+        )
         runs.append(pair)
         print(
-            f"  pair {repeat}: flodl {pair['flodl']['samples_per_s']:.0f} samples/s, "
-            f"DDP {pair['ddp']['samples_per_s']:.0f} samples/s, speedup {pair['speedup']:.2f}x, "
+            f"  run {repeat}: flodl {pair['flodl']['samples_per_s']:.0f} samples/s, "
+            f"ceiling {pair['ceiling']['samples_per_s']:.0f}, "
+            f"DDP {pair['ddp']['samples_per_s']:.0f}; goodput {pair['goodput_vs_ceiling']:.3f}, "
+            f"speedup {pair['speedup']:.2f}x, "
             f"fast-rank idle {100 * pair['flodl']['fast_rank_idle_share']:.1f}%",
             flush=True,
         )
@@ -181,8 +239,75 @@ def throughput(
         "ddp_fast_rank_allreduce_wait_share": round(
             median("ddp", "fast_rank_allreduce_wait_share"), 4
         ),
+        "ceiling_samples_per_s": median("ceiling", "samples_per_s"),
+        "goodput_vs_ceiling": round(statistics.median(r["goodput_vs_ceiling"] for r in runs), 3),
         "runs": runs,
     }
+
+
+def table_row(nproc: int, skew: float, run: dict[str, Any]) -> dict[str, Any]:
+    """One row of ``goodput_table`` from one :func:`goodput_row` (or throughput) run."""
+    flodl, ceiling = run["flodl"], run["ceiling"]
+    row: dict[str, Any] = {
+        "nproc": nproc,
+        "skew": skew,
+        "flodl_samples_per_s": flodl["samples_per_s"],
+        "ceiling_samples_per_s": ceiling["samples_per_s"],
+        "goodput_vs_ceiling": run["goodput_vs_ceiling"],
+        "flodl_test_accuracy": round(flodl["test_accuracy"], 4),
+        "ceiling_test_accuracy_mean": round(ceiling["test_accuracy_mean"], 4),
+        "flodl_window_s": flodl["window_s"],
+        "ceiling_window_s": ceiling["window_s"],
+        "fast_rank_idle_share": flodl["fast_rank_idle_share"],
+        "fast_rank_averaging_share": flodl["fast_rank_averaging_share"],
+        "rounds": flodl["rounds"],
+        "load_before": run["load_before"],
+        "load_after": run["load_after"],
+    }
+    if "ddp" in run:
+        ddp = run["ddp"]
+        row["ddp_samples_per_s"] = ddp["samples_per_s"]
+        row["ddp_test_accuracy"] = round(ddp["test_accuracy"], 4)
+        row["accuracy_gap_points"] = round(100 * (ddp["test_accuracy"] - flodl["test_accuracy"]), 2)
+        row["speedup_vs_ddp"] = run["speedup"]
+    return row
+
+
+def goodput_table(
+    base: TaskConfig,
+    nprocs: Sequence[int],
+    skews: Sequence[float],
+    coordinator: CoordinatorConfig,
+    done: dict[tuple[int, float], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Goodput against the ceiling for every ``nproc`` x ``skew`` (the last rank slowed by
+    ``skew``); a row in ``done`` (the throughput run, with DDP) is used as it is."""
+    rows: list[dict[str, Any]] = []
+    for nproc in nprocs:
+        for skew in skews:
+            run = done.get((nproc, skew))
+            if run is None:
+                task = attrs.evolve(base, slow_rank=nproc - 1, slow_factor=skew)
+                run = goodput_row(task, nproc, coordinator)
+            row = table_row(nproc, skew, run)
+            rows.append(row)
+            print(
+                f"  {nproc} ranks, skew {skew:g}x: flodl {row['flodl_samples_per_s']:.0f} "
+                f"samples/s, ceiling {row['ceiling_samples_per_s']:.0f}, goodput "
+                f"{row['goodput_vs_ceiling']:.3f}, accuracy {row['flodl_test_accuracy']:.4f} "
+                f"(load {row['load_before']} - {row['load_after']})",
+                flush=True,
+            )
+    return rows
+
+
+def numbers(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
+    """An argparse type: a comma-separated list of ``kind``."""
+
+    def parse(text: str) -> tuple[Any, ...]:
+        return tuple(kind(item) for item in text.split(",") if item.strip())
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,18 +329,29 @@ def main(argv: list[str] | None = None) -> int:
         help="flodl: a window holds at most this many epochs' batches",
     )
     parser.add_argument("--rounds", type=int, default=30, help="averaging repetitions")
+    parser.add_argument(
+        "--nprocs", type=numbers(int), default=(2, 4, 8), help="goodput table: rank counts"
+    )
+    parser.add_argument(
+        "--skews",
+        type=numbers(float),
+        default=(1.0, 1.5, 2.5, 4.0),
+        help="goodput table: how much slower the last rank is",
+    )
     args = parser.parse_args(argv)
 
     if args.quick:
         nproc, slow_rank, repeats = 2, 1, 1
         task = TaskConfig(hidden=64, batch_size=32, epochs=1, slow_rank=1)
         overhead_model = {"width": 256, "layers": 2, "reps": 3, "warmup": 1}
+        nprocs, skews = (2,), (1.0, 2.5)
     else:
         nproc, slow_rank, repeats = 4, 3, args.repeats
         task = TaskConfig(
             hidden=args.hidden, batch_size=args.batch_size, epochs=args.epochs, slow_rank=3
         )
         overhead_model = {"width": 1024, "layers": 10, "reps": args.rounds, "warmup": 2}
+        nprocs, skews = args.nprocs, args.skews
     coordinator = CoordinatorConfig(
         policy=Policy.CADENCE,
         anchor=args.anchor,
@@ -242,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     hetero = throughput(task, nproc, coordinator, repeats)
+    main_run = hetero["runs"][len(hetero["runs"]) // 2]
+
+    print(f"(c) goodput against the ceiling, ranks {list(nprocs)}, skews {list(skews)}")
+    table = goodput_table(task, nprocs, skews, coordinator, {(nproc, task.slow_factor): main_run})
 
     result: dict[str, Any] = {
         "overhead_ratio": overhead["overhead_ratio"],
@@ -251,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         "fast_rank_averaging_share": hetero["fast_rank_averaging_share"],
         "fast_rank_not_training_share": hetero["fast_rank_not_training_share"],
         "accuracy_gap_points": hetero["accuracy_gap_points"],
+        "goodput_vs_ceiling": hetero["goodput_vs_ceiling"],
+        "flodl_samples_per_s": hetero["flodl_samples_per_s"],
+        "ceiling_samples_per_s": hetero["ceiling_samples_per_s"],
+        "ddp_samples_per_s": hetero["ddp_samples_per_s"],
+        "load_average_1m": load_before,
         "targets": {
             "overhead_ratio_max": OVERHEAD_TARGET,
             "overhead_ok": overhead["overhead_ratio"] <= OVERHEAD_TARGET,
@@ -260,10 +405,13 @@ def main(argv: list[str] | None = None) -> int:
             "idle_ok": hetero["fast_rank_idle_share"] < IDLE_TARGET,
             "accuracy_gap_points_max": ACCURACY_GAP_TARGET,
             "accuracy_ok": hetero["accuracy_gap_points"] <= ACCURACY_GAP_TARGET,
+            "goodput_vs_ceiling_min": GOODPUT_TARGET,
+            "goodput_ok": hetero["goodput_vs_ceiling"] >= GOODPUT_TARGET,
         },
         "quick": args.quick,
         "averaging_overhead": overhead,
         "heterogeneous_throughput": hetero,
+        "goodput_table": table,
         "settings": {
             "processes": nproc,
             "backend": "gloo",
@@ -287,6 +435,13 @@ def main(argv: list[str] | None = None) -> int:
             },
             "ddp": "DistributedDataParallel(gloo), default all-reduce hook (timed), "
             "DistributedSampler-style slices of each global batch",
+            "ceiling": "the same processes, model, batch size and slowdown, no communication, "
+            "all at once, each for as long as flodl's window of the same row",
+            "goodput_table": {
+                "nprocs": list(nprocs),
+                "skews": list(skews),
+                "slow_rank": "the last rank (nproc - 1)",
+            },
         },
         "total_bench_s": round(time.perf_counter() - started, 1),
         "environment": environment(),
@@ -299,7 +454,10 @@ def main(argv: list[str] | None = None) -> int:
         f"averaging {100 * hetero['fast_rank_averaging_share']:.1f}%, accuracy "
         f"flodl {hetero['flodl_test_accuracy']:.4f} / DDP {hetero['ddp_test_accuracy']:.4f}"
     )
-    print(f"load average {load()} on {os.cpu_count()} cpus; wrote {args.output}")
+    print(
+        f"goodput vs ceiling {hetero['goodput_vs_ceiling']:.3f} (target >= {GOODPUT_TARGET}); "
+        f"load average {load()} on {os.cpu_count()} cpus; wrote {args.output}"
+    )
     return 0
 
 

@@ -1,6 +1,7 @@
 """Smoke run of bench/training_bench.py (--quick: 2 ranks, tiny models, one epoch) and checks of
 its helpers, so the benchmark keeps working. The figures of a quick run mean nothing; what is
-checked is that both sides trained the whole epoch and the JSON says what it should."""
+checked is that every side trained (flodl and DDP the whole epoch, the ceiling for flodl's
+window) and the JSON says what it should."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_quick_run_writes_the_results(tmp_path: Path) -> None:
     output = tmp_path / "training.json"
     command = [sys.executable, str(BENCH_DIR / "training_bench.py"), "--quick", "--output"]
     done = subprocess.run(
-        [*command, str(output)], capture_output=True, text=True, timeout=150, check=False
+        [*command, str(output)], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(output.read_text())
@@ -103,4 +104,28 @@ def test_quick_run_writes_the_results(tmp_path: Path) -> None:
     )
     for side in ("flodl", "ddp"):
         assert 0.0 <= pair[side]["test_accuracy"] <= 1.0
-    assert set(result["targets"]) >= {"overhead_ok", "speedup_ok", "idle_ok", "accuracy_ok"}
+    assert set(result["targets"]) >= {
+        "overhead_ok",
+        "speedup_ok",
+        "idle_ok",
+        "accuracy_ok",
+        "goodput_ok",
+    }
+    # The ceiling: both ranks trained, no communication, for as long as flodl's window.
+    ceiling = pair["ceiling"]
+    assert len(ceiling["per_rank_samples"]) == 2 and all(n > 0 for n in ceiling["per_rank_samples"])
+    assert ceiling["samples"] == sum(ceiling["per_rank_samples"])
+    assert result["goodput_vs_ceiling"] == pytest.approx(
+        pair["flodl"]["samples_per_s"] / ceiling["samples_per_s"], rel=1e-2
+    )
+    assert 0.0 <= result["load_average_1m"]
+    table = result["goodput_table"]
+    assert [(row["nproc"], row["skew"]) for row in table] == [(2, 1.0), (2, 2.5)]
+    for row in table:
+        assert row["goodput_vs_ceiling"] == pytest.approx(
+            row["flodl_samples_per_s"] / row["ceiling_samples_per_s"], rel=1e-2
+        )
+        assert 0.0 <= row["flodl_test_accuracy"] <= 1.0
+    assert "ddp_samples_per_s" not in table[0]  # DDP runs in the throughput row only
+    assert table[1]["ddp_samples_per_s"] == pair["ddp"]["samples_per_s"]
+    assert table[1]["goodput_vs_ceiling"] == pair["goodput_vs_ceiling"]
