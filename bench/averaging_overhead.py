@@ -10,10 +10,11 @@ alike, with a 1-element all-reduce barrier before each:
 * ``bare``: ``allreduce`` (SUM) of one flat float32 buffer of the size flodl reduces
   (parameters + mass + mover + float buffers), called directly;
 * ``flodl``: ``await backend.average(params, buffers, batches)``, exactly what a rank does on
-  SyncNow: the mass-weighted copy into scratch, the SUM all-reduce in buckets, the checksum
-  verify collective (``verify_every`` 10, as a rank: the first round of a group and every
-  tenth), the divide and the divergence norms in one pass as each bucket lands, and the
-  parameters made views of the averaged buffer, all in a worker thread;
+  SyncNow: the all-reduce of the two sums (mass, movers), the copy of this rank's share
+  ``p * m / M`` into scratch (with ``||p||``), the SUM all-reduce in buckets (which yields the
+  average), the checksum verify collective (``verify_every`` 10, as a rank: the first round of
+  a group and every tenth), the norms ``||a||`` and ``||a - p||`` read as each bucket lands,
+  and the parameters made views of the averaged buffer, all in a worker thread;
 * ``flodl_no_verify``: the same with ``backend.verify = False``;
 * ``copy_floor``: only what any round that keeps the live tensors out of the collective must
   do: the mass-weighted copy into a scratch buffer, bucket by bucket, each bucket's SUM
@@ -50,20 +51,21 @@ import trio
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from flodl.backends.averaging import (
+    HEADER,
     FlatLayout,
     bit_checksum,
     divisors,
-    pack,
     read_sums,
     scaled_copy,
 )
 from flodl.backends.gloo import GlooBackend
 from flodl.backends.group import GroupInfo, connect_store, host_store
-from flodl.backends.pipeline import BucketPlan, ScratchPool, _Norms, _source, install, members
+from flodl.backends.kernels import gap_piece, share_piece
+from flodl.backends.pipeline import BucketPlan, ScratchPool, _source, install, members
 
 HERE = Path(__file__).resolve()
 VARIANTS = ("bare", "copy_floor", "flodl", "flodl_no_verify", "stages")
-STAGES = ("pack", "allreduce", "checksum", "verify_allreduce", "norms_divide", "install")
+STAGES = ("sums", "share", "allreduce", "checksum", "verify_allreduce", "gap", "install")
 
 
 def build_model(width: int = 1024, layers: int = 10) -> torch.nn.Module:
@@ -142,27 +144,28 @@ class Staged:
         times: dict[str, float] = {}
         clock = time.perf_counter
         t = clock()
-        pack(params, buffers, layout, batches, 1.0, out=flat)
-        times["pack"], t = clock() - t, clock()
-        bare.allreduce(flat, dist.ReduceOp.SUM)
+        flat[0], flat[1] = float(batches), 1.0
+        bare.allreduce(flat[:HEADER], dist.ReduceOp.SUM)
+        by_mass, by_movers = divisors(read_sums(flat, layout))
+        times["sums"], t = clock() - t, clock()
+        sources = members(params, buffers, layout)
+        pieces = self.plan.buckets[0].pieces
+        for piece in pieces:
+            share = (batches / by_mass) if piece.is_param else (1.0 / by_movers)
+            share_piece(_source(sources, piece), flat[piece.start : piece.end], share)
+        times["share"], t = clock() - t, clock()
+        bare.allreduce(flat[HEADER:], dist.ReduceOp.SUM)
         times["allreduce"], t = clock() - t, clock()
         check = bit_checksum(flat)
         times["checksum"], t = clock() - t, clock()
         pair = torch.tensor([check, -check], dtype=torch.int64)
         bare.allreduce(pair, dist.ReduceOp.MAX)
         times["verify_allreduce"], t = clock() - t, clock()
-        reduced = read_sums(flat, layout)
-        by_mass, by_movers = divisors(reduced)
-        sources = members(params, buffers, layout)
-        norms = _Norms()
-        for piece in self.plan.buckets[0].pieces:
-            summed = flat[piece.start : piece.end]
+        for piece in pieces:
             if piece.is_param:
-                source = sources[piece.member][piece.offset : piece.offset + summed.numel()]
-                norms.take(summed, source, by_mass, scratch.spare)
-            else:
-                summed.div_(by_movers)
-        times["norms_divide"], t = clock() - t, clock()
+                average = flat[piece.start : piece.end]
+                gap_piece(average, _source(sources, piece), scratch.spare)
+        times["gap"], t = clock() - t, clock()
         install(flat, layout, params, buffers, swap=True)
         times["install"] = clock() - t
         return times

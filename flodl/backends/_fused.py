@@ -1,4 +1,4 @@
-"""The compiled loop behind :func:`flodl.backends.kernels.finish_piece` (imports numba).
+"""The compiled loops behind :mod:`flodl.backends.kernels` (imports numba).
 
 Imported only by :mod:`flodl.backends.kernels`, on first use, and only if numba is installed.
 Top-level functions, so numba can cache the machine code on disk (``cache=True``).
@@ -14,8 +14,8 @@ FUSED_BLOCK = 8192
 """Elements per block: float32 partial sums stay short (a few thousand terms, ~1e-7
 relative), and the blocks are summed in float64."""
 
-# reassoc lets the sums vectorize. Nothing may turn the division into a reciprocal multiply
-# (arcp) or fuse it with another op (contract): either would change the average's bits.
+# reassoc lets the sums vectorize. Nothing may fuse the share's multiply with another op
+# (contract): it is rounded once, as the docstring of share says.
 _jit = numba.njit(
     nogil=True,
     cache=True,
@@ -26,30 +26,51 @@ _jit = numba.njit(
 
 
 @_jit
-def _finish_block(summed: Any, source: Any, mass: Any) -> tuple[Any, Any, Any]:
-    zero = mass - mass  # 0 in the element dtype (mass is finite here)
-    diff, post, pre = zero, zero, zero
-    for i in range(summed.shape[0]):
-        average = summed[i] / mass
+def _share_block(source: Any, out: Any, factor: float) -> Any:
+    pre = source[0] - source[0]  # 0 in the element dtype (blocks are never empty)
+    for i in range(source.shape[0]):
         own = source[i]
-        gap = average - own
-        diff += gap * gap
-        post += average * average
+        out[i] = own * factor
         pre += own * own
-        summed[i] = average
-    return diff, post, pre
+    return pre
 
 
 @_jit
-def finish(summed: Any, source: Any, mass: Any) -> tuple[float, float, float]:
-    """``summed /= mass`` in place; ``(||summed - source||^2, ||summed||^2, ||source||^2)``
-    after the division, for 1-D contiguous arrays of one float dtype and ``mass`` of it."""
-    n = summed.shape[0]
-    diff, post, pre = 0.0, 0.0, 0.0
+def share(source: Any, out: Any, factor: float) -> float:
+    """``out = source * factor``, multiplied in float64 and rounded once to the element
+    dtype; returns ``||source||^2``, for 1-D contiguous arrays of one float dtype.
+
+    A share such as 1/3 rounded to float32 first would scale every average by the same
+    ``1 + e`` round after round; rounding each product instead leaves no such bias."""
+    n = source.shape[0]
+    pre = 0.0
     for start in range(0, n, FUSED_BLOCK):
         end = min(n, start + FUSED_BLOCK)
-        d, s, p = _finish_block(summed[start:end], source[start:end], mass)
+        pre += _share_block(source[start:end], out[start:end], factor)
+    return pre
+
+
+@_jit
+def _gap_block(average: Any, source: Any) -> tuple[Any, Any]:
+    zero = average[0] - average[0]  # blocks are never empty
+    diff, post = zero, zero
+    for i in range(average.shape[0]):
+        value = average[i]
+        gap = value - source[i]
+        diff += gap * gap
+        post += value * value
+    return diff, post
+
+
+@_jit
+def gap(average: Any, source: Any) -> tuple[float, float]:
+    """``(||average - source||^2, ||average||^2)``, reading both once and writing nothing,
+    for 1-D contiguous arrays of one float dtype."""
+    n = average.shape[0]
+    diff, post = 0.0, 0.0
+    for start in range(0, n, FUSED_BLOCK):
+        end = min(n, start + FUSED_BLOCK)
+        d, s = _gap_block(average[start:end], source[start:end])
         diff += d
         post += s
-        pre += p
-    return diff, post, pre
+    return diff, post

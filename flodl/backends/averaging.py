@@ -5,15 +5,18 @@ Layout of the flat buffer every rank contributes to one SUM all-reduce::
     [ mass | mover | params * mass ... | float buffers * mover ... ]
 
 ``mass = n ** gamma`` for a rank that ran ``n > 0`` batches since the last average and ``0``
-for ``n == 0`` (whatever ``gamma``); ``mover`` is 1 if ``n > 0`` else 0. After the sum, the
-parameters are divided once by the summed mass and the float buffers by the summed movers. A
-round whose summed mass is 0 keeps every rank's local state. Non-float buffers (step counters)
-are never averaged: they keep their local value. The two sums come first, so a rank that
-reduces the buffer in pieces (see :mod:`flodl.backends.pipeline`) knows the divisors as soon
-as the first piece has landed.
+for ``n == 0`` (whatever ``gamma``); ``mover`` is 1 if ``n > 0`` else 0. The average is
+``sum(mass * p) / sum(mass)`` for the parameters and ``sum(mover * b) / sum(mover)`` for the
+float buffers. A round whose summed mass is 0 keeps every rank's local state. Non-float
+buffers (step counters) are never averaged: they keep their local value.
 
-Every rank runs the same deterministic arithmetic on the same reduced bytes, so the averaged
-values are bitwise identical across ranks; :func:`bit_checksum` lets a caller prove it.
+Two ways to reduce that buffer: a *snapshot* (:func:`pack`, the Async policy's background
+round) carries ``mass * p`` and is divided by the sums once it has landed; a *pre-scaled*
+round (:mod:`flodl.backends.pipeline`, Sync and Cadence) reduces the two sums first and then
+carries each rank's share ``p * mass / sum(mass)``, so the all-reduce itself yields the
+average. Either way every rank ends with the same reduced bytes (and the same deterministic
+arithmetic after them), so the averaged values are bitwise identical across ranks;
+:func:`bit_checksum` lets a caller prove it.
 
 Norms are accumulated in float32 per tensor or block (float64 for the sum of their squares):
 they feed the divergence guard, not the model, and a float64 pass would cost ~25x more.

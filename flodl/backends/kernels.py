@@ -1,24 +1,22 @@
-"""The end of an averaging round on one piece of the buffer: divide, and take three norms.
+"""The per-piece passes of a pre-scaled averaging round (:mod:`flodl.backends.pipeline`).
 
-When a bucket of summed parameters ``S`` lands, each rank turns it into the average
-``a = S / M`` in place and measures ``||a - p||``, ``||a||`` and ``||p||`` against its own
-parameters ``p``. Done with torch ops that is five passes over each block (divide, subtract,
-three dot products); on a 2-core machine they cost ~10 ms per 10M parameters, as much as a
-third of the all-reduce itself. :func:`finish_piece` does it in one pass:
+Before its all-reduce, each rank copies its share ``p * m / M`` of every parameter into
+scratch and needs ``||p||``; once a bucket has landed it holds the average ``a``, and the
+divergence guard needs ``||a||`` and ``||a - p||``. Done with torch ops that is two passes over
+``p`` before the collective and three after it (subtract, two dot products). On a 2-core
+machine, where each pass over 40 MB competes with gloo for memory bandwidth, every pass
+counts, so each has a one-pass form:
 
-* with numba installed (``pip install flodl[fast]``), a compiled loop that reads ``S`` and
-  ``p`` once and writes ``a`` once (~4 ms per 10M float32 parameters here);
-* otherwise (or for dtypes and devices the loop does not take) :func:`finish_piece_torch`,
-  the same arithmetic with torch ops a cache-sized block at a time.
+* with numba installed (``pip install flodl[fast]``), compiled loops: :func:`share_piece`
+  reads ``p`` once and writes the share once, :func:`gap_piece` reads ``a`` and ``p`` once
+  and writes nothing;
+* otherwise (or for dtypes and devices the loops do not take) the same arithmetic with torch
+  ops, a cache-sized block at a time for the gap.
 
-On CPU both divide with one correctly rounded IEEE division per element, so they write bitwise
-the same average, and ranks that take different paths still agree bit for bit. (On a GPU torch
-divides by a scalar as a multiply by its reciprocal; every rank of an NCCL group runs that same
-kernel, so they agree too.) The squared norms
-are summed in the element dtype within blocks of a few thousand elements and in float64
-across blocks: they feed the divergence guard, not the model (see
-:mod:`flodl.backends.averaging`). numba is imported and the loop loaded only when a gloo group
-is first joined (:func:`warm_up`), so ``import flodl`` stays light.
+The squared norms are summed in the element dtype within blocks of a few thousand elements
+and in float64 across blocks: they feed the divergence guard, not the model (see
+:mod:`flodl.backends.averaging`). numba is imported and the loops loaded only when a gloo
+group is first joined (:func:`warm_up`), so ``import flodl`` stays light.
 """
 
 from __future__ import annotations
@@ -37,41 +35,41 @@ FUSED_DTYPES = (torch.float32, torch.float64)
 
 
 @attrs.frozen
-class PieceNorms:
-    """Squared norms of one piece: ``||a - p||^2``, ``||a||^2`` and ``||p||^2``."""
+class _Loops:
+    """The compiled loops of :mod:`flodl.backends._fused`."""
 
-    diff: float
-    post: float
-    pre: float
-
-
-_Kernel = Callable[[Any, Any, Any], tuple[float, float, float]]
+    share: Callable[[Any, Any, float], float]
+    gap: Callable[[Any, Any], tuple[float, float]]
 
 
 _lock = threading.Lock()
 _loaded = threading.Event()
-_kernel: _Kernel | None = None
+_loops: _Loops | None = None
 
 
 def warm_up() -> bool:
-    """Import numba and load the loop for every dtype it takes, once per process; True if it
-    is there (numba installed). Blocking: ~0.5 s from numba's disk cache, ~2 s the first time
-    ever (compiling); later calls return at once. A loop that fails to load is reported as a
-    RuntimeWarning and the torch path is used (it writes the same bits)."""
-    global _kernel
+    """Import numba and load the loops for every dtype they take, once per process; True if
+    they are there (numba installed). Blocking: ~0.5 s from numba's disk cache, ~2 s the
+    first time ever (compiling); later calls return at once. Loops that fail to load are
+    reported as a RuntimeWarning and the torch path is used."""
+    global _loops
     with _lock:
         if not _loaded.is_set():
-            _kernel = _load()
+            _loops = _load()
             _loaded.set()
-    return _kernel is not None
+    return _loops is not None
 
 
-def fused_kernel() -> _Kernel | None:
-    """The compiled loop once :func:`warm_up` loaded it; None before, or without numba."""
-    return _kernel if _loaded.is_set() else None
+def compiled() -> bool:
+    """Whether the compiled loops are loaded (:func:`warm_up` ran, numba is there)."""
+    return _loaded_loops() is not None
 
 
-def _load() -> _Kernel | None:
+def _loaded_loops() -> _Loops | None:
+    return _loops if _loaded.is_set() else None
+
+
+def _load() -> _Loops | None:
     try:
         from flodl.backends import _fused
     except ImportError:  # numba is not installed: the torch path it is
@@ -82,75 +80,78 @@ def _load() -> _Kernel | None:
     try:
         for dtype in FUSED_DTYPES:  # compile or load each signature before a round calls it
             piece = torch.ones(2, dtype=dtype).numpy()
-            _fused.finish(piece, piece.copy(), piece.dtype.type(1))
+            _fused.share(piece, piece.copy(), 1.0)
+            _fused.gap(piece, piece.copy())
     except Exception as err:
         _warn_unusable(err)
         return None
-    kernel: _Kernel = _fused.finish
-    return kernel
+    return _Loops(share=_fused.share, gap=_fused.gap)
 
 
 def _warn_unusable(err: Exception) -> None:
     warnings.warn(
-        f"flodl: numba could not build the averaging loop ({err!r}); using torch ops",
+        f"flodl: numba could not build the averaging loops ({err!r}); using torch ops",
         RuntimeWarning,
         stacklevel=3,
     )
 
 
-def takes_fused(summed: torch.Tensor, source: torch.Tensor) -> bool:
-    """Whether the compiled loop can run on this pair (CPU, contiguous, same float dtype)."""
+def takes_fused(flat: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether the compiled loops can run on this pair (CPU, contiguous, same float dtype)."""
     return (
-        summed.device.type == "cpu"
+        flat.device.type == "cpu"
         and source.device.type == "cpu"
-        and summed.dtype in FUSED_DTYPES
-        and source.dtype == summed.dtype
-        and summed.is_contiguous()
+        and flat.dtype in FUSED_DTYPES
+        and source.dtype == flat.dtype
+        and flat.is_contiguous()
         and source.is_contiguous()
-        and fused_kernel() is not None
+        and compiled()
     )
 
 
 @torch.no_grad()
-def finish_piece(
-    summed: torch.Tensor, source: torch.Tensor, mass: float, spare: torch.Tensor
-) -> PieceNorms | list[torch.Tensor]:
-    """Divide ``summed`` (1-D) by ``mass`` in place; the squared norms against ``source``.
+def share_piece(source: torch.Tensor, out: torch.Tensor, factor: float) -> float | torch.Tensor:
+    """``out = source * factor`` (``out`` 1-D, of the flat dtype; ``source`` as many elements,
+    any dtype and strides, never written), and ``||source||^2`` taken in the same pass.
 
-    Returns :class:`PieceNorms` from the compiled loop, or the torch path's 0-d tensors
-    ``[diff, post, pre]`` (left unsynchronised, so accelerators are not stalled per block).
-    ``source`` (as many elements; never written) may have any dtype; ``spare`` is a scratch
-    block for the torch path.
+    Returns a float from the compiled loop, else a 0-d tensor (unsynchronised). The loop
+    multiplies in float64 and rounds each product once; the torch path multiplies by the
+    factor rounded to the flat dtype (a last-bit difference: only the all-reduce's result has
+    to be equal on every rank, and it is, whichever path each rank took).
     """
-    if takes_fused(summed, source):
-        kernel = fused_kernel()
-        assert kernel is not None
-        array = summed.numpy()
-        diff, post, pre = kernel(array, source.detach().numpy(), array.dtype.type(mass))
-        return PieceNorms(diff, post, pre)
-    return finish_piece_torch(summed, source, mass, spare)
+    loops = _loaded_loops()
+    if loops is not None and takes_fused(out, source):
+        return loops.share(source.detach().numpy(), out.numpy(), float(factor))
+    flat_source = source.reshape(-1)
+    if flat_source.dtype == out.dtype:
+        torch.mul(flat_source, factor, out=out)
+    else:  # scale in the flat dtype, as the reduction does
+        out.copy_(flat_source).mul_(factor)
+    return squared_norm(flat_source)
 
 
 @torch.no_grad()
-def finish_piece_torch(
-    summed: torch.Tensor, source: torch.Tensor, mass: float, spare: torch.Tensor
-) -> list[torch.Tensor]:
-    """:func:`finish_piece` with torch ops, a ``spare``-sized block at a time (the divide
-    first, so the subtraction and the three norms read blocks that are already in cache)."""
+def gap_piece(
+    average: torch.Tensor, source: torch.Tensor, spare: torch.Tensor
+) -> tuple[float, float] | list[torch.Tensor]:
+    """``||average - source||^2`` and ``||average||^2`` for one landed piece (``average`` 1-D;
+    neither is written). A tuple of floats from the compiled loop, else the torch path's
+    0-d tensors ``[diff, post]`` (a ``spare``-sized block at a time, so the subtraction and
+    the norms read blocks already in cache)."""
+    loops = _loaded_loops()
+    if loops is not None and takes_fused(average, source):
+        return loops.gap(average.numpy(), source.detach().numpy())
     step = spare.numel()
     diff: list[torch.Tensor] = []
     post: list[torch.Tensor] = []
-    pre: list[torch.Tensor] = []
-    for start in range(0, summed.numel(), step):
-        average = summed[start : start + step]
-        own = source[start : start + step]
-        average.div_(mass)
-        gap = spare[: average.numel()]
-        torch.sub(average, own, out=gap)
+    flat_source = source.reshape(-1)
+    for start in range(0, average.numel(), step):
+        block = average[start : start + step]
+        gap = spare[: block.numel()]
+        torch.sub(block, flat_source[start : start + step], out=gap)
         diff.append(squared_norm(gap))
-        post.append(squared_norm(average))
-        pre.append(squared_norm(own))
-    return [_sum(diff), _sum(post), _sum(pre)]
+        post.append(squared_norm(block))
+    return [_sum(diff), _sum(post)]
 
 
 def _sum(squares: list[torch.Tensor]) -> torch.Tensor:

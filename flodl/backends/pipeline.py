@@ -1,11 +1,14 @@
 """One averaging round reduced in buckets, so packing and checking overlap the collective.
 
 The flat buffer (:class:`~flodl.backends.averaging.FlatLayout`) is cut into buckets of equal
-size. On one worker thread: pack bucket 0, start its all-reduce, pack bucket 1 while bucket 0
-is on the wire, and so on; then, as each bucket lands, checksum it and take its norms while
-the later buckets are still being reduced, and divide it in place, block by block while the
-block is in cache. Torch ops release the GIL and gloo reduces in its own threads, so compute
-and communication run side by side, and the scratch buffer ends up holding the average.
+size. On one worker thread: reduce the two sums (mass and movers, a few bytes), so every rank
+knows its share ``m / M`` of the average; then copy bucket 0's share ``p * m / M`` into
+scratch (taking ``||p||`` in the same pass), start its all-reduce, copy bucket 1 while bucket
+0 is on the wire, and so on. The SUM of the shares *is* the average, so nothing is divided
+after the collective: as each bucket lands it is only read (checksum, ``||a||``,
+``||a - p||``) while the later buckets are still being reduced. Torch ops release the GIL and
+gloo reduces in its own threads, so compute and communication run side by side, and the
+scratch buffer ends up holding the average.
 
 Nothing here writes into the live tensors except :func:`install`, which the caller runs only
 after the whole round (every bucket, and the verify collective) succeeded: it makes the
@@ -28,20 +31,21 @@ import torch
 import torch.distributed as dist
 
 from flodl.backends.averaging import (
+    HEADER,
     Applied,
     FlatLayout,
     Reduced,
     checksum_part,
     combine_checksums,
+    combine_squares,
     copy_buffers,
     divisors,
     mass_of,
     mover_of,
     read_sums,
-    scaled_copy,
     squared_norm,
 )
-from flodl.backends.kernels import PieceNorms, finish_piece
+from flodl.backends.kernels import gap_piece, share_piece
 from flodl.errors import BackendError, CollectiveAborted
 
 
@@ -207,101 +211,143 @@ def reduce_in_buckets(
     abandoned: Callable[[], bool],
     checksum: bool = True,
 ) -> Landed:
-    """Pack ``sources`` bucket by bucket into scratch and SUM-reduce; check each as it lands.
+    """Reduce one round in buckets; when the summed mass is above 0, the scratch is left
+    holding the average (at zero mass the local state is kept and the scratch is not used).
 
-    With ``sources`` (from :func:`members`; read, never written) this rank's contribution is
-    packed from them, and as each bucket lands its parameters are divided by the summed mass
-    ``M`` and the norms ``||p||``, ``||a||`` and ``||a - p||`` taken (``a = S / M`` the
-    average) in one pass (:func:`~flodl.backends.kernels.finish_piece`), so each block of
-    ``S`` and ``p`` is read from memory once. With ``sources`` None the scratch already holds
-    this rank's contribution and no norms are taken. Either way, when the summed mass is
-    above 0, the scratch is left holding the average (params divided by the mass, float
-    buffers by the movers); at zero mass it holds the (zero) sums.
+    With ``sources`` (from :func:`members`; read, never written) the round is *pre-scaled*
+    (:func:`_reduce_shares`): the two sums (mass, movers) are reduced first, so each rank
+    copies its share ``p * m / M`` into scratch and the SUM all-reduce itself yields the
+    average; as each bucket lands, only the norms ``||a||`` and ``||a - p||`` are read from it
+    (``||p||`` was taken during the copy). With ``sources`` None the scratch already holds
+    this rank's mass-weighted contribution (a snapshot, :func:`~flodl.backends.averaging.pack`)
+    and each landed bucket is divided by the sums; no norms are taken.
 
-    The checksum (taken when ``checksum``, else 0) covers the reduced sums, before any
-    division: equal sums on every rank and the same deterministic division give bitwise
-    equal averages.
+    The checksum (taken when ``checksum``, else 0) covers the reduced buffer as every rank
+    holds it: equal sums on every rank (and, for a snapshot, the same deterministic division)
+    give bitwise equal averages.
 
-    Returns after every bucket's op ended. Raises :class:`CollectiveAborted` when
-    ``abandoned()`` turns true (checked before each op starts and after each lands),
-    RuntimeError when an op failed; in both cases ops may still be in flight on the scratch.
+    Returns after every op ended. Raises :class:`CollectiveAborted` when ``abandoned()``
+    turns true (checked before each op starts and after each lands), RuntimeError when an op
+    failed; in both cases ops may still be in flight on the scratch.
     """
-    flat = scratch.flat
     if sources is not None:
-        mass, mover = mass_of(batches, gamma), mover_of(batches)
-        flat[0], flat[1] = mass, mover
+        return _reduce_shares(comm, plan, scratch, sources, batches, gamma, abandoned, checksum)
+    return _reduce_snapshot(comm, plan, scratch, abandoned, checksum)
+
+
+def _reduce_shares(
+    comm: StartsAllreduce,
+    plan: BucketPlan,
+    scratch: Scratch,
+    sources: Sequence[torch.Tensor],
+    batches: int,
+    gamma: float,
+    abandoned: Callable[[], bool],
+    checksum: bool,
+) -> Landed:
+    flat, layout = scratch.flat, plan.layout
+    mass, mover = mass_of(batches, gamma), mover_of(batches)
+    flat[layout.mass_index], flat[layout.mover_index] = mass, mover
+    _check(abandoned, "abandoned before the sums were reduced")
+    comm.start_allreduce(flat[:HEADER], dist.ReduceOp.SUM).wait()
+    _check(abandoned, "abandoned while the sums were reduced")
+    reduced = read_sums(flat, layout)
+    params = [piece for bucket in plan.buckets for piece in bucket.pieces if piece.is_param]
+    if reduced.total_mass <= 0:  # nobody moved: every rank keeps its own state
+        pre = combine_squares([squared_norm(_source(sources, p)) for p in params])
+        header = [checksum_part(flat[:HEADER])] if checksum else []
+        return Landed(reduced, combine_checksums(header), Applied(pre, pre, 0.0))
+    by_mass, by_movers = divisors(reduced)
+    param_share, buffer_share = mass / by_mass, mover / by_movers
+    norms = _ShareNorms()
     ops = []
     for bucket in plan.buckets:
-        if sources is not None:
-            for piece in bucket.pieces:
-                source = _source(sources, piece)
-                scaled_copy(
-                    source, mass if piece.is_param else mover, flat[piece.start : piece.end]
-                )
-        if abandoned():
-            raise CollectiveAborted("abandoned before every bucket was started")
-        ops.append(comm.start_allreduce(flat[bucket.start : bucket.end], dist.ReduceOp.SUM))
+        for piece in bucket.pieces:
+            out = flat[piece.start : piece.end]
+            if piece.is_param:
+                norms.pre.append(share_piece(_source(sources, piece), out, param_share))
+            else:  # buffers (a few, small) need no norm
+                share_piece(_source(sources, piece), out, buffer_share)
+        _check(abandoned, "abandoned before every bucket was started")
+        body = max(bucket.start, HEADER)  # the sums are reduced already
+        ops.append(
+            comm.start_allreduce(flat[body : bucket.end], dist.ReduceOp.SUM)
+            if body < bucket.end
+            else None
+        )
 
     sums: list[torch.Tensor] = []
-    norms = _Norms()
+    for bucket, op in zip(plan.buckets, ops, strict=True):
+        if op is not None:
+            op.wait()
+        _check(abandoned, "abandoned while the buckets were landing")
+        if checksum:
+            sums.append(checksum_part(flat[bucket.start : bucket.end]))
+        for piece in bucket.pieces:
+            if piece.is_param:
+                average = flat[piece.start : piece.end]
+                norms.take(gap_piece(average, _source(sources, piece), scratch.spare))
+    return Landed(reduced, combine_checksums(sums), norms.applied())
+
+
+def _reduce_snapshot(
+    comm: StartsAllreduce,
+    plan: BucketPlan,
+    scratch: Scratch,
+    abandoned: Callable[[], bool],
+    checksum: bool,
+) -> Landed:
+    flat = scratch.flat
+    ops = []
+    for bucket in plan.buckets:
+        _check(abandoned, "abandoned before every bucket was started")
+        ops.append(comm.start_allreduce(flat[bucket.start : bucket.end], dist.ReduceOp.SUM))
+    sums: list[torch.Tensor] = []
     reduced = Reduced(0.0, 0.0)
     for index, (bucket, op) in enumerate(zip(plan.buckets, ops, strict=True)):
         op.wait()
-        if abandoned():  # the caller has gone: stop reading its tensors
-            raise CollectiveAborted("abandoned while the buckets were landing")
+        _check(abandoned, "abandoned while the buckets were landing")
         if index == 0:
             reduced = read_sums(flat, plan.layout)
             by_mass, by_movers = divisors(reduced)
         if checksum:
             sums.append(checksum_part(flat[bucket.start : bucket.end]))
-        for piece in bucket.pieces:
-            summed = flat[piece.start : piece.end]
-            if sources is not None and piece.is_param:
-                mass_or_none = by_mass if reduced.total_mass > 0 else None
-                norms.take(summed, _source(sources, piece), mass_or_none, scratch.spare)
-            elif reduced.total_mass > 0:
-                summed.div_(by_mass if piece.is_param else by_movers)
+        if reduced.total_mass > 0:
+            for piece in bucket.pieces:
+                flat[piece.start : piece.end].div_(by_mass if piece.is_param else by_movers)
+    return Landed(reduced, combine_checksums(sums), None)
 
-    applied = norms.applied() if sources is not None else None
-    return Landed(reduced, combine_checksums(sums), applied)
+
+def _check(abandoned: Callable[[], bool], why: str) -> None:
+    if abandoned():  # the caller has gone: start nothing more, stop reading its tensors
+        raise CollectiveAborted(why)
 
 
 @attrs.define
-class _Norms:
-    """Squared norms of ``p``, ``a`` and ``a - p`` summed over pieces (``a`` the average)."""
+class _ShareNorms:
+    """Squared norms of ``p`` (taken as the shares are copied), and of ``a - p`` and ``a`` (as
+    the buckets land), summed over pieces in float64; tensors are synchronised once."""
 
-    fused: list[PieceNorms] = attrs.field(factory=list)
-    tensors: list[list[torch.Tensor]] = attrs.field(factory=list)  # [diff, post, pre] each
-    pre_only: list[torch.Tensor] = attrs.field(factory=list)
+    pre: list[float | torch.Tensor] = attrs.field(factory=list)
+    diff: list[float | torch.Tensor] = attrs.field(factory=list)
+    post: list[float | torch.Tensor] = attrs.field(factory=list)
 
-    def take(
-        self, summed: torch.Tensor, source: torch.Tensor, mass: float | None, spare: torch.Tensor
-    ) -> None:
-        """Divide one landed piece by ``mass`` in place and take its norms
-        (:func:`~flodl.backends.kernels.finish_piece`). ``mass`` None (a zero-mass round):
-        only ``||p||``, nothing divided."""
-        if mass is None:
-            self.pre_only.append(squared_norm(source))
-            return
-        norms = finish_piece(summed, source, mass, spare)
-        if isinstance(norms, PieceNorms):
-            self.fused.append(norms)
-        else:
-            self.tensors.append(norms)
+    def take(self, gap: tuple[float, float] | list[torch.Tensor]) -> None:
+        self.diff.append(gap[0])
+        self.post.append(gap[1])
 
     def applied(self) -> Applied:
-        """``pre``, ``post`` and ``diff`` norms of the whole round (syncs once per path)."""
-        diff = post = pre = 0.0
-        if self.tensors:
-            summed = torch.stack([torch.stack(t) for t in self.tensors]).sum(dim=0).tolist()
-            diff, post, pre = summed
-        for piece in self.fused:
-            diff, post, pre = diff + piece.diff, post + piece.post, pre + piece.pre
-        if self.pre_only:
-            pre += float(torch.stack([q.to(torch.float64) for q in self.pre_only]).sum())
-        if not self.fused and not self.tensors:  # zero mass: the local state is kept
-            return Applied(math.sqrt(pre), math.sqrt(pre), 0.0)
+        diff, post, pre = (_total(squares) for squares in (self.diff, self.post, self.pre))
         return Applied(math.sqrt(pre), math.sqrt(post), math.sqrt(diff))
+
+
+def _total(squares: Sequence[float | torch.Tensor]) -> float:
+    floats = [q for q in squares if not isinstance(q, torch.Tensor)]
+    tensors = [q.to(torch.float64) for q in squares if isinstance(q, torch.Tensor)]
+    total = math.fsum(floats)
+    if tensors:
+        total += float(torch.stack(tensors).sum().item())
+    return total
 
 
 def _source(sources: Sequence[torch.Tensor], piece: Piece) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The one-pass end of a round: the compiled loop and the torch path write the same average,
-bit for bit, and both measure the norms a float64 reference gives."""
+"""The one-pass pieces of a pre-scaled round: the share copy (``out = p * m / M`` and
+``||p||``) and the gap (``||a - p||`` and ``||a||``), compiled and with torch ops, against
+float64 references."""
 
 from __future__ import annotations
 
@@ -15,14 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.backends.kernels import (
-    PieceNorms,
-    finish_piece,
-    finish_piece_torch,
-    fused_kernel,
-    takes_fused,
-    warm_up,
-)
+from flodl.backends.kernels import compiled, gap_piece, share_piece, takes_fused, warm_up
 
 REPO = Path(__file__).resolve().parents[2]
 HAS_NUMBA = importlib.util.find_spec("numba") is not None
@@ -31,36 +25,26 @@ needs_numba = pytest.mark.skipif(not HAS_NUMBA, reason="numba is not installed")
 
 @pytest.fixture(autouse=True)
 def loaded() -> None:
-    """Wait for the compiled loop (loaded in the background otherwise)."""
+    """Wait for the compiled loops (loaded in the background otherwise)."""
     assert warm_up() is HAS_NUMBA
 
 
-def reference(summed: torch.Tensor, source: torch.Tensor, mass: float) -> tuple[float, ...]:
-    """The three norms in float64, against the average as the float dtype divides it."""
-    average = (summed / mass).double()
-    own = source.double()
-    return (
-        float((average - own).norm()),
-        float(average.norm()),
-        float(own.norm()),
-    )
+def root(square: float | torch.Tensor | list[torch.Tensor] | tuple[float, float]) -> float:
+    return math.sqrt(float(square))  # type: ignore[arg-type]
 
 
-def norms_of(result: PieceNorms | list[torch.Tensor]) -> tuple[float, ...]:
-    squares = (
-        (result.diff, result.post, result.pre)
-        if isinstance(result, PieceNorms)
-        else tuple(float(t) for t in result)
-    )
-    return tuple(math.sqrt(q) for q in squares)
+def gap_norms(result: tuple[float, float] | list[torch.Tensor]) -> tuple[float, float]:
+    diff, post = result
+    return math.sqrt(float(diff)), math.sqrt(float(post))
 
 
 def pair(size: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's parameters and an average that drifted a little from them (what the guard
+    watches)."""
     generator = torch.Generator().manual_seed(seed)
     own = torch.randn(size, generator=generator).to(dtype)
-    # A sum of three ranks that drifted a little from this one: the case the guard watches.
-    summed = (3 * own.double() + 0.01 * torch.randn(size, generator=generator).double()).to(dtype)
-    return summed, own
+    average = (own.double() + 0.01 * torch.randn(size, generator=generator).double()).to(dtype)
+    return average, own
 
 
 @needs_numba
@@ -68,22 +52,58 @@ def pair(size: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.
 @given(
     size=st.integers(0, 40_000),
     dtype=st.sampled_from([torch.float32, torch.float64]),
-    mass=st.floats(0.01, 1e4, allow_nan=False, allow_infinity=False),
+    factor=st.floats(0.0, 1.0, allow_nan=False),
     seed=st.integers(0, 2**16),
 )
-def test_compiled_loop_and_torch_path_write_the_same_bits(
-    size: int, dtype: torch.dtype, mass: float, seed: int
+def test_the_compiled_share_rounds_each_float64_product_once(
+    size: int, dtype: torch.dtype, factor: float, seed: int
 ) -> None:
-    summed, own = pair(size, dtype, seed)
-    fused, plain = summed.clone(), summed.clone()
-    assert takes_fused(fused, own)
-    fused_norms = norms_of(finish_piece(fused, own, mass, torch.empty(1000, dtype=dtype)))
-    plain_norms = norms_of(finish_piece_torch(plain, own, mass, torch.empty(1000, dtype=dtype)))
-    assert torch.equal(fused, plain)
-    assert torch.equal(fused, summed / mass)  # one IEEE division per element, no reciprocal
-    expected = reference(summed, own, mass)
+    _, own = pair(size, dtype, seed)
+    out = torch.full((size,), math.nan, dtype=dtype)
+    assert takes_fused(out, own)
+    pre = share_piece(own, out, factor)
+    assert isinstance(pre, float)
+    assert torch.equal(out, (own.double() * factor).to(dtype))
+    assert root(pre) == pytest.approx(float(own.double().norm()), rel=1e-5, abs=1e-30)
+
+
+@settings(max_examples=20, deadline=None)
+@given(size=st.integers(2, 10_000), seed=st.integers(0, 2**16))  # 2: strided exists
+def test_both_share_paths_write_the_same_bits_for_a_factor_exact_in_float32(
+    size: int, seed: int
+) -> None:
+    _, own = pair(size, torch.float32, seed)
+    compiled_out, torch_out = torch.empty(size), torch.empty(size)
+    share_piece(own, compiled_out, 0.375)
+    # A strided source never takes the compiled loop.
+    strided = torch.stack([own, own], dim=1)[:, 0]
+    assert not takes_fused(torch_out, strided)
+    pre = share_piece(strided, torch_out, 0.375)
+    assert torch.equal(compiled_out, torch_out)
+    assert torch.equal(torch_out, own * 0.375)
+    assert root(pre) == pytest.approx(float(own.double().norm()), rel=1e-5, abs=1e-30)
+
+
+@needs_numba
+@settings(max_examples=40, deadline=None)
+@given(
+    size=st.integers(2, 40_000),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_and_torch_gaps_match_the_float64_reference(
+    size: int, dtype: torch.dtype, seed: int
+) -> None:
+    average, own = pair(size, dtype, seed)
+    expected = (float((average.double() - own.double()).norm()), float(average.double().norm()))
     tolerance = 1e-5 if dtype == torch.float32 else 1e-12
-    for got in (fused_norms, plain_norms):
+    assert takes_fused(average, own)
+    fast = gap_piece(average, own, torch.empty(1000, dtype=dtype))
+    assert isinstance(fast, tuple)
+    strided_own = torch.stack([own, own], dim=1)[:, 0]
+    plain = gap_piece(average, strided_own, torch.empty(1000, dtype=dtype))
+    assert isinstance(plain, list)
+    for got in (gap_norms(fast), gap_norms(plain)):
         assert got == pytest.approx(expected, rel=tolerance, abs=1e-30)
 
 
@@ -93,72 +113,62 @@ def test_divergence_of_nearly_equal_ranks_keeps_its_digits() -> None:
     never as a difference of two large sums."""
     own = torch.randn(2_000_000, generator=torch.Generator().manual_seed(1))
     average = own + 1e-4 * torch.randn(own.shape, generator=torch.Generator().manual_seed(2))
-    summed = (average.double() * 4).float()  # a mass of 4 divides exactly
-    result = finish_piece(summed.clone(), own, 4.0, torch.empty(1024))
-    assert isinstance(result, PieceNorms)
-    diff, post, _ = norms_of(result)
+    diff, post = gap_norms(gap_piece(average, own, torch.empty(1024)))
     exact_diff = float((average.double() - own.double()).norm())
     assert diff == pytest.approx(exact_diff, rel=1e-3)
     assert diff / post == pytest.approx(1e-4, rel=0.05)
 
 
-@pytest.mark.parametrize(
-    "summed, source",
-    [
-        (torch.randn(64), torch.randn(64).to(torch.bfloat16)),  # dtypes differ
-        (torch.randn(64, 2)[:, 0], torch.randn(64)),  # strided
-    ],
-)
-def test_pieces_the_loop_does_not_take_go_the_torch_way(
-    summed: torch.Tensor, source: torch.Tensor
-) -> None:
-    assert not takes_fused(summed, source)
-    expected_average = summed / 2.5
-    expected = reference(summed, source, 2.5)
-    result = finish_piece(summed, source, 2.5, torch.empty(16))
-    assert isinstance(result, list)
-    assert torch.equal(summed, expected_average)
-    assert norms_of(result) == pytest.approx(expected, rel=1e-2)
+def test_a_bfloat16_source_is_cast_then_scaled_in_the_flat_dtype() -> None:
+    own = torch.randn(64).to(torch.bfloat16)
+    out = torch.empty(64)
+    assert not takes_fused(out, own)
+    pre = share_piece(own, out, 2.5)
+    assert torch.equal(out, own.float() * 2.5)
+    assert root(pre) == pytest.approx(float(own.double().norm()), rel=1e-2)
+    average = out / 2
+    diff, post = gap_norms(gap_piece(average, own, torch.empty(16)))
+    assert diff == pytest.approx(float((average.double() - own.double()).norm()), rel=1e-2)
+    assert post == pytest.approx(float(average.double().norm()), rel=1e-5)
 
 
-def test_source_is_never_written() -> None:
-    summed, own = pair(10_000, torch.float32, 3)
-    before = own.clone()
-    finish_piece(summed, own, 3.0, torch.empty(256))
-    assert torch.equal(own, before)
+def test_sources_and_averages_are_never_written() -> None:
+    average, own = pair(10_000, torch.float32, 3)
+    before_own, before_average = own.clone(), average.clone()
+    share_piece(own, torch.empty(10_000), 0.5)
+    gap_piece(average, own, torch.empty(256))
+    assert torch.equal(own, before_own) and torch.equal(average, before_average)
 
 
-def test_once_loaded_the_loop_is_there_exactly_when_numba_is() -> None:
-    assert (fused_kernel() is not None) is HAS_NUMBA
+def test_once_loaded_the_loops_are_there_exactly_when_numba_is() -> None:
+    assert compiled() is HAS_NUMBA
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_pieces_take_the_torch_path() -> None:
-    """On a GPU the average may differ from the CPU's in the last bit (torch divides by a
-    scalar as a multiply by its reciprocal there); every rank of an NCCL group runs the same
-    kernel, so they still agree with each other."""
-    summed, own = pair(100_000, torch.float32, 5)
-    on_gpu, own_gpu = summed.cuda(), own.cuda()
-    assert not takes_fused(on_gpu, own_gpu)
-    again = on_gpu.clone()
-    result = finish_piece(on_gpu, own_gpu, 3.7, torch.empty(1 << 14, device="cuda"))
-    finish_piece(again, own_gpu, 3.7, torch.empty(1 << 12, device="cuda"))
+    average, own = pair(100_000, torch.float32, 5)
+    own_gpu, average_gpu = own.cuda(), average.cuda()
+    out = torch.empty(100_000, device="cuda")
+    assert not takes_fused(out, own_gpu)
+    pre = share_piece(own_gpu, out, 0.25)
+    assert torch.equal(out.cpu(), own * 0.25)
+    assert root(pre) == pytest.approx(float(own.double().norm()), rel=1e-5)
+    result = gap_piece(average_gpu, own_gpu, torch.empty(1 << 14, device="cuda"))
     assert isinstance(result, list)
-    assert torch.equal(on_gpu, again)  # the same bits whatever the block size
-    assert torch.allclose(on_gpu.cpu(), summed / 3.7, rtol=2e-7, atol=0.0)
-    assert norms_of(result) == pytest.approx(reference(summed, own, 3.7), rel=1e-5)
+    expected = (float((average.double() - own.double()).norm()), float(average.double().norm()))
+    assert gap_norms(result) == pytest.approx(expected, rel=1e-5)
 
 
 BROKEN_NUMBA_PROBE = """
 import warnings, torch
-from flodl.backends.kernels import finish_piece, warm_up
+from flodl.backends.kernels import share_piece, warm_up
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     loaded = warm_up()
-summed = torch.full((5,), 6.0)
-finish_piece(summed, torch.ones(5), 3.0, torch.empty(4))
-print(loaded, summed.tolist(), [str(w.message) for w in caught])
+out = torch.empty(5)
+share_piece(torch.full((5,), 6.0), out, 0.5)
+print(loaded, out.tolist(), [str(w.message) for w in caught])
 """
 
 
@@ -183,5 +193,5 @@ def test_a_numba_that_will_not_import_leaves_the_torch_path(
     )
     loaded, rest = done.stdout.split(" ", 1)
     assert loaded == "False"
-    assert rest.startswith("[2.0, 2.0, 2.0, 2.0, 2.0]")
+    assert rest.startswith("[3.0, 3.0, 3.0, 3.0, 3.0]")
     assert ("ZeroDivisionError" in rest and "using torch ops" in rest) is warned

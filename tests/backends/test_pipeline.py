@@ -1,7 +1,8 @@
 """The bucketed round: plan, checksums, and real gloo pairs (one process) cut into tiny buckets.
 
-Every result is checked against the one-shot mass rule of ``averaging`` (pack, sum, divide),
-bitwise, and the norms against float64 references.
+Every result is checked bitwise against the mass rule as a pre-scaled round computes it (each
+rank's share ``p * m / M`` multiplied in float64 and rounded once, then summed), and the
+norms against float64 references.
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ from flodl.backends.averaging import (
     bit_checksum,
     checksum_part,
     combine_checksums,
-    finish_average,
-    pack,
-    read_sums,
 )
 from flodl.backends.base import AverageResult
 from flodl.backends.gloo import GlooBackend
@@ -75,10 +73,23 @@ def copy_model(model: Model) -> Model:
 
 
 def reference_average(models: list[Model], batches: list[int]) -> torch.Tensor:
-    """The finished flat average by the one-shot path (pack, plain sum, divide)."""
+    """The finished flat average of two ranks (gamma 1): the summed mass and movers, then
+    the sum of each rank's shares, each product taken in float64 and rounded once."""
     layout = FlatLayout.of(*models[0])
-    total = pack(*models[0], layout, batches[0], 1.0) + pack(*models[1], layout, batches[1], 1.0)
-    finish_average(total, layout, read_sums(total, layout))
+    total = torch.zeros(layout.total)
+    mass, movers = sum(batches), sum(1 for n in batches if n > 0)
+    total[0], total[1] = mass, movers
+    for (params, buffers), n in zip(models, batches, strict=True):
+        shares = [
+            (p, n / mass, span) for p, span in zip(params, layout.param_ranges(), strict=True)
+        ]
+        shares += [
+            (b, (1.0 if n > 0 else 0.0) / movers, span)
+            for b, span in zip(buffers, layout.buffer_ranges(), strict=True)
+            if span is not None
+        ]
+        for tensor, share, (start, end) in shares:
+            total[start:end] += (tensor.reshape(-1).double() * share).float()
     return total
 
 
