@@ -1,23 +1,27 @@
 """Recovery benchmark: how long survivors take to average again after a rank is lost.
 
 Writes bench/results/recovery.json and prints a short table. Each trial is one ``flodl run``
-(:func:`flodl.launcher.launch`) of 3 ranks training the digits MLP (gloo, cadence policy),
-whose rank 2 faults itself while computing a batch (``tests/e2e/chaos_rank.py``: the moment
-is written, fsync'ed, just before the signal):
+(:func:`flodl.launcher.launch`) of N ranks (3, 8 and 16 by default, every N in the same run)
+training the digits MLP (gloo, cadence policy), whose last rank (N - 1) faults itself while
+computing a batch (``tests/e2e/chaos_rank.py``: the moment is written, fsync'ed, just before
+the signal):
 
 * **SIGKILL** (default heartbeat timeout, 10 s): the process is gone, its connection closes.
-  Target: the survivors' next averaging round completes at most 0.5 s after the kill
-  (torchft needs about 5 s with its defaults).
+  Target: the survivors' next averaging round completes at most 0.5 s after the kill, at
+  every N (torchft needs about 5 s with its defaults). Only the dead rank's ring neighbours
+  see the closed connection in the collective; the others learn it from the coordinator.
 * **SIGSTOP** with ``heartbeat_timeout = 2 s``: the process is alive, connected and silent,
   so only the heartbeat timeout can reveal it. Target: at most heartbeat timeout + 0.5 s.
 
 Recovery time = the earliest moment a survivor finished an average on a group generation newer
 than the one the faulty rank belonged to, minus the fault moment (both ``time.time()`` on this
-machine). The kill point moves from trial to trial (after 20, 27, 34, ... batches) so it lands
-at different places in a window. Keys ``sigkill_recovery_s_median`` and
-``sigstop_recovery_s_median`` (median of >= 5 trials); per-trial figures, the coordinator's
-own detection/recovery times from ``summary.json``, and the 1-minute load average around every
-trial are kept too. ``--quick`` runs one short trial of each (figures mean little).
+machine). The fault point moves from trial to trial (after 20, 27, 34, ... batches at N = 3,
+scaled by 3 / N, as each rank gets 1 / N of an epoch) so it lands at different places in a
+window. Top-level keys ``sigkill_recovery_s_median`` and ``sigstop_recovery_s_median`` are
+N = 3's (as before); ``by_nproc`` holds each N's medians, min/max, targets and per-trial
+figures: the coordinator's own detection/recovery times from ``summary.json``, a breakdown of
+the survivors' re-formation from ``chaos/rank<R>.events.jsonl``, and the 1-minute load average
+around every trial. ``--quick`` runs one short trial of each at each N (figures mean little).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,17 +48,59 @@ from flodl.launcher import LaunchConfig, launch
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "recovery.json"
 CHAOS_RANK = HERE.parent / "tests" / "e2e" / "chaos_rank.py"
-NPROC = 3
-FAULTY_RANK = 2
+NPROCS = (3, 8, 16)
+REFERENCE_NPROC = 3
+"""The N whose figures are also the top-level keys (the bench measured only N = 3 before)."""
+HIDDEN = 64
 SIGKILL_TARGET_S = 0.5
 SIGSTOP_HEARTBEAT_TIMEOUT_S = 2.0
+SIGSTOP_HEARTBEAT_TIMEOUT_LARGE_S = 5.0
+"""The SIGSTOP trials' heartbeat timeout above 8 ranks. With 16 ranks on 2 cores every rank's
+event loop stalls 2.3 - 2.7 s in its first group join (automatic full garbage collections while
+numba loads in ``warm_up``, each ~0.15 s of one core with the GIL held, times 16 processes), so
+a 2 s timeout declares healthy ranks dead before the fault (measured; see docs/benchmarks.md)."""
+LARGE_NPROC = 8
+SIGSTOP_HEARTBEAT_INTERVAL_S = 0.5
 SIGSTOP_MARGIN_S = 0.5
 TORCHFT_DEFAULT_S = 5.0
 """torchft's recovery time with its default timeouts, as quoted in the issue (reference only)."""
+KINDS = (("sigkill", "kill-compute"), ("sigstop", "stop-compute"))
 
 
 def environment() -> dict[str, object]:
     return benchenv.environment(("torch", "trio", "flodl"))
+
+
+def sigstop_timeout(nproc: int) -> float:
+    """The SIGSTOP trials' heartbeat timeout at ``nproc`` ranks."""
+    return (
+        SIGSTOP_HEARTBEAT_TIMEOUT_S if nproc <= LARGE_NPROC else SIGSTOP_HEARTBEAT_TIMEOUT_LARGE_S
+    )
+
+
+def source_state() -> dict[str, object]:
+    """The commit measured, and which files under flodl/ differed from it (others edit too)."""
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=HERE.parent, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout.strip()
+
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "flodl").splitlines()]
+    return {"commit": git("rev-parse", "HEAD"), "flodl_uncommitted": dirty}
+
+
+def faulty_rank(nproc: int) -> int:
+    return nproc - 1
+
+
+def fault_batch(nproc: int, trial_index: int) -> int:
+    """After how many batches the faulty rank faults: 20, 27, 34, ... at N = 3, scaled by 3 / N."""
+    return max(2, round((20 + 7 * trial_index) * REFERENCE_NPROC / nproc))
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -74,22 +121,72 @@ def recovery_after(run_dir: Path, survivors: list[int], fault: dict[str, Any]) -
     return min(done) - float(fault["unix"]) if done else None
 
 
-async def trial(kind: str, at_batch: int, epochs: int, run_dir: Path) -> dict[str, Any]:
-    """One run of 3 ranks whose rank 2 faults (``kill-compute`` / ``stop-compute``)."""
+def reformation(run_dir: Path, survivors: list[int], fault: dict[str, Any]) -> dict[str, Any]:
+    """Where the survivors' time went, from their ``events.jsonl`` (seconds after the fault).
+
+    The first generation after the fault's: when the first and the last survivor began to join
+    it, had joined it, and began averaging on it (``average`` events; a survivor with more than
+    one round there counts each).
+    """
+    origin = float(fault["unix"])
+    old = fault["generation"]
+    events = {
+        rank: [e for e in read_jsonl(run_dir / "chaos" / f"rank{rank}.events.jsonl")]
+        for rank in survivors
+    }
+    newer = [
+        e["generation"]
+        for evs in events.values()
+        for e in evs
+        if e["event"] == "joined" and e["unix"] > origin and (old is None or e["generation"] > old)
+    ]
+    if not newer:
+        return {"generation": None}
+    target = min(newer)
+
+    def moments(what: str) -> list[float]:
+        return [
+            float(e["unix"]) - origin
+            for evs in events.values()
+            for e in evs
+            if e["event"] == what and e["generation"] == target
+        ]
+
+    joins, joined, averages = moments("join"), moments("joined"), moments("average")
+
+    def span(values: list[float]) -> list[float] | None:
+        return [round(min(values), 4), round(max(values), 4)] if values else None
+
+    return {
+        "generation": target,
+        "join_started_s": span(joins),
+        "joined_s": span(joined),
+        "average_started_s": span(averages),
+        "survivors_joined": len(joined),
+    }
+
+
+async def trial(nproc: int, kind: str, at_batch: int, epochs: int, run_dir: Path) -> dict[str, Any]:
+    """One run of ``nproc`` ranks whose last rank faults (``kill-compute`` / ``stop-compute``)."""
     sigstop = kind == "stop-compute"
+    faulty = faulty_rank(nproc)
     coordinator = (
         CoordinatorConfig(
             policy=Policy.CADENCE,
-            heartbeat_timeout=SIGSTOP_HEARTBEAT_TIMEOUT_S,
-            heartbeat_interval=0.5,
+            heartbeat_timeout=sigstop_timeout(nproc),
+            heartbeat_interval=SIGSTOP_HEARTBEAT_INTERVAL_S,
         )
         if sigstop
         else CoordinatorConfig(policy=Policy.CADENCE)
     )
     config = LaunchConfig(
         script=str(CHAOS_RANK),
-        script_args=(f"--epochs={epochs}", f"--fault={FAULTY_RANK}:{kind}:{at_batch}"),
-        nproc=NPROC,
+        script_args=(
+            f"--epochs={epochs}",
+            f"--hidden={HIDDEN}",
+            f"--fault={faulty}:{kind}:{at_batch}",
+        ),
+        nproc=nproc,
         backend="gloo",
         run_dir=run_dir,
         coordinator=coordinator,
@@ -97,120 +194,230 @@ async def trial(kind: str, at_batch: int, epochs: int, run_dir: Path) -> dict[st
         exit_grace=3.0 if sigstop else 10.0,  # the stopped rank is killed after the grace
     )
     load_before = load()
-    with trio.fail_after(180):
+    with trio.fail_after(300):
         summary = await launch(config)
-    fault = json.loads((run_dir / "chaos" / f"rank{FAULTY_RANK}.fault.json").read_text())
-    survivors = [r for r in range(NPROC) if r != FAULTY_RANK]
-    deaths = [d for d in summary["deaths"] if d["rank"] == FAULTY_RANK]
+    survivors = [r for r in range(nproc) if r != faulty]
+    others_dead = sorted(d["rank"] for d in summary["deaths"] if d["rank"] != faulty)
+    fault_file = run_dir / "chaos" / f"rank{faulty}.fault.json"
+    if not fault_file.exists():  # the run ended before the fault (say, ranks declared dead)
+        return {
+            "kind": kind,
+            "at_batch": at_batch,
+            "status": summary["status"],
+            "fault_happened": False,
+            "message": summary["message"],
+            "other_ranks_declared_dead": others_dead,
+            "recovery_s": None,
+            "load_before": load_before,
+            "load_after": load(),
+            "wall_s": round(summary["wall_s"], 2),
+        }
+    fault = json.loads(fault_file.read_text())
+    deaths = [d for d in summary["deaths"] if d["rank"] == faulty]
     death = deaths[0] if deaths else {}
     detected = death.get("detected_unix")
+    accuracy = [summary["ranks"][r]["final_metrics"].get("test_accuracy") for r in survivors]
+    known = [a for a in accuracy if a is not None]
     return {
         "kind": kind,
         "at_batch": at_batch,
         "status": summary["status"],
+        "fault_happened": True,
+        "other_ranks_declared_dead": others_dead,
         "recovery_s": recovery_after(run_dir, survivors, fault),
         "detection_s": None if detected is None else detected - float(fault["unix"]),
         "cause": death.get("cause"),
         "coordinator_recovery_s": death.get("recovery_s"),
-        "survivor_accuracy": [
-            summary["ranks"][r]["final_metrics"].get("test_accuracy") for r in survivors
-        ],
+        "fault_generation": fault["generation"],
+        "reformation": reformation(run_dir, survivors, fault),
+        "survivor_accuracy_min": min(known) if known else None,
+        "survivor_accuracy_max": max(known) if known else None,
         "load_before": load_before,
         "load_after": load(),
         "wall_s": round(summary["wall_s"], 2),
     }
 
 
+def recoveries(trials: list[dict[str, Any]]) -> list[float]:
+    return [t["recovery_s"] for t in trials if t["recovery_s"] is not None]
+
+
 def median_of(trials: list[dict[str, Any]]) -> float | None:
-    values = [t["recovery_s"] for t in trials if t["recovery_s"] is not None]
+    values = recoveries(trials)
     return statistics.median(values) if values else None
 
 
-async def run_all(trials: int, epochs: int, keep: Path | None) -> dict[str, list[dict[str, Any]]]:
-    results: dict[str, list[dict[str, Any]]] = {"sigkill": [], "sigstop": []}
+def trials_at(nproc: int, trials: int, trials_16: int) -> int:
+    return trials_16 if nproc >= 16 else trials
+
+
+async def run_all(
+    nprocs: list[int],
+    faults: list[str],
+    trials: int,
+    trials_16: int,
+    epochs: int,
+    keep: Path | None,
+) -> dict[int, dict[str, list[dict[str, Any]]]]:
+    results: dict[int, dict[str, list[dict[str, Any]]]] = {
+        n: {name: [] for name, _ in KINDS} for n in nprocs
+    }
     with tempfile.TemporaryDirectory(prefix="flodl-recovery-") as scratch:
         base = keep or Path(scratch)
-        for i in range(trials):
-            for name, kind in (("sigkill", "kill-compute"), ("sigstop", "stop-compute")):
-                at_batch = 20 + 7 * i
-                outcome = await trial(kind, at_batch, epochs, base / f"{name}-{i}")
-                results[name].append(outcome)
-                shown = outcome["recovery_s"]
-                print(
-                    f"  {name} trial {i + 1}/{trials} (after {at_batch} batches): "
-                    f"recovery {'-' if shown is None else f'{shown:.3f} s'}, "
-                    f"load {outcome['load_before']}",
-                    flush=True,
-                )
+        for nproc in nprocs:
+            count = trials_at(nproc, trials, trials_16)
+            for i in range(count):
+                for name, kind in KINDS:
+                    if name not in faults:
+                        continue
+                    at_batch = fault_batch(nproc, i)
+                    run_dir = base / f"n{nproc}-{name}-{i}"
+                    outcome = await trial(nproc, kind, at_batch, epochs, run_dir)
+                    results[nproc][name].append(outcome)
+                    shown = outcome["recovery_s"]
+                    print(
+                        f"  N={nproc} {name} trial {i + 1}/{count} (after {at_batch} batches): "
+                        f"recovery {'-' if shown is None else f'{shown:.3f} s'}, "
+                        f"load {outcome['load_before']}, wall {outcome['wall_s']} s",
+                        flush=True,
+                    )
     return results
+
+
+def summarize(nproc: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One N's medians, ranges and targets, with its trials."""
+    sigkill, sigstop = median_of(runs["sigkill"]), median_of(runs["sigstop"])
+    sigstop_max = sigstop_timeout(nproc) + SIGSTOP_MARGIN_S
+    out: dict[str, Any] = {
+        "sigkill_recovery_s_median": sigkill,
+        "sigstop_recovery_s_median": sigstop,
+    }
+    for name, _ in KINDS:
+        values = recoveries(runs[name])
+        out[f"{name}_recovery_s_min"] = min(values) if values else None
+        out[f"{name}_recovery_s_max"] = max(values) if values else None
+        out[f"{name}_trials"] = len(runs[name])
+        out[f"{name}_recovered"] = len(values)
+    out["sigstop_heartbeat_timeout_s"] = sigstop_timeout(nproc)
+    out["targets"] = {
+        "sigkill_recovery_s_max": SIGKILL_TARGET_S,
+        "sigkill_ok": sigkill is not None and sigkill <= SIGKILL_TARGET_S,
+        "sigstop_recovery_s_max": sigstop_max,
+        "sigstop_ok": sigstop is not None and sigstop <= sigstop_max,
+        "torchft_default_recovery_s": TORCHFT_DEFAULT_S,
+    }
+    out["trials"] = runs
+    return out
 
 
 def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def print_table(result: dict[str, Any]) -> None:
-    print(f"\n{'fault':<8} {'median s':>9} {'min s':>7} {'max s':>7} {'target s':>9}  ok")
-    for name, key in (("SIGKILL", "sigkill"), ("SIGSTOP", "sigstop")):
-        values = [t["recovery_s"] for t in result["trials"][key] if t["recovery_s"] is not None]
-        target = result["targets"][f"{key}_recovery_s_max"]
-        print(
-            f"{name:<8} {fmt(result[f'{key}_recovery_s_median']):>9} "
-            f"{fmt(min(values) if values else None):>7} {fmt(max(values) if values else None):>7} "
-            f"{target:>9.2f}  {'yes' if result['targets'][f'{key}_ok'] else 'NO'}"
-        )
+def print_table(by_nproc: dict[str, dict[str, Any]]) -> None:
+    print(f"\n{'N':>3} {'fault':<8} {'median s':>9} {'min s':>7} {'max s':>7} {'target s':>9}  ok")
+    for n, result in by_nproc.items():
+        for name, key in (("SIGKILL", "sigkill"), ("SIGSTOP", "sigstop")):
+            target = result["targets"][f"{key}_recovery_s_max"]
+            print(
+                f"{n:>3} {name:<8} {fmt(result[f'{key}_recovery_s_median']):>9} "
+                f"{fmt(result[f'{key}_recovery_s_min']):>7} "
+                f"{fmt(result[f'{key}_recovery_s_max']):>7} "
+                f"{target:>9.2f}  {'yes' if result['targets'][f'{key}_ok'] else 'NO'}"
+            )
+
+
+def parse_nprocs(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 3:
+        raise argparse.ArgumentTypeError(f"--nproc wants a list of N >= 3, got {text!r}")
+    return values
+
+
+def parse_faults(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    known = [name for name, _ in KINDS]
+    if not names or any(n not in known for n in names):
+        raise argparse.ArgumentTypeError(f"--faults wants some of {known}, got {text!r}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="flodl recovery benchmark")
-    parser.add_argument("--quick", action="store_true", help="one short trial of each")
-    parser.add_argument("--trials", type=int, default=5, help="trials per fault (>= 5)")
+    parser.add_argument("--quick", action="store_true", help="one short trial of each per N")
+    parser.add_argument(
+        "--nproc", type=parse_nprocs, default=list(NPROCS), help="ranks per run, e.g. 3,8,16"
+    )
+    parser.add_argument("--trials", type=int, default=5, help="trials per fault and N (>= 5)")
+    parser.add_argument(
+        "--trials-16", type=int, default=None, help="trials per fault at N >= 16 (default --trials)"
+    )
+    parser.add_argument(
+        "--faults",
+        type=parse_faults,
+        default=[name for name, _ in KINDS],
+        help="which faults to run: sigkill,sigstop (both by default)",
+    )
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--keep", type=Path, default=None, help="keep the run dirs here")
     args = parser.parse_args(argv)
-    trials, epochs = (1, 2) if args.quick else (max(args.trials, 5), args.epochs)
+    if args.quick:
+        trials = trials_16 = 1
+        epochs = 2
+    else:
+        trials = max(args.trials, 5)
+        trials_16 = trials if args.trials_16 is None else max(args.trials_16, 1)
+        epochs = args.epochs
+    nprocs: list[int] = args.nproc
 
     started = time.perf_counter()
     print(
-        f"recovery bench: {NPROC} ranks, rank {FAULTY_RANK} faults; {trials} trial(s) each",
+        f"recovery bench: N = {', '.join(map(str, nprocs))} ranks, rank N-1 faults; "
+        f"{trials} trial(s) of each ({trials_16} at N >= 16)",
         flush=True,
     )
     load_start = load()
-    runs = trio.run(run_all, trials, epochs, args.keep)
-    sigkill, sigstop = median_of(runs["sigkill"]), median_of(runs["sigstop"])
-    sigstop_max = SIGSTOP_HEARTBEAT_TIMEOUT_S + SIGSTOP_MARGIN_S
+    runs = trio.run(run_all, nprocs, args.faults, trials, trials_16, epochs, args.keep)
+    by_nproc = {str(n): summarize(n, runs[n]) for n in nprocs}
+    reference = by_nproc.get(str(REFERENCE_NPROC)) or by_nproc[str(nprocs[0])]
     result: dict[str, Any] = {
-        "sigkill_recovery_s_median": sigkill,
-        "sigstop_recovery_s_median": sigstop,
+        "sigkill_recovery_s_median": reference["sigkill_recovery_s_median"],
+        "sigstop_recovery_s_median": reference["sigstop_recovery_s_median"],
         "targets": {
-            "sigkill_recovery_s_max": SIGKILL_TARGET_S,
-            "sigkill_ok": sigkill is not None and sigkill <= SIGKILL_TARGET_S,
-            "sigstop_recovery_s_max": sigstop_max,
-            "sigstop_ok": sigstop is not None and sigstop <= sigstop_max,
-            "torchft_default_recovery_s": TORCHFT_DEFAULT_S,
+            **reference["targets"],
+            "every_n_ok": all(
+                r["targets"]["sigkill_ok"] and r["targets"]["sigstop_ok"] for r in by_nproc.values()
+            ),
         },
         "quick": args.quick,
-        "trials": runs,
+        "nprocs": nprocs,
+        "by_nproc": by_nproc,
         "settings": {
-            "processes": NPROC,
-            "faulty_rank": FAULTY_RANK,
+            "processes": nprocs,
+            "top_level_keys_nproc": REFERENCE_NPROC
+            if str(REFERENCE_NPROC) in by_nproc
+            else nprocs[0],
+            "faulty_rank": "N - 1",
+            "trials_per_fault": {str(n): trials_at(n, trials, trials_16) for n in nprocs},
             "backend": "gloo",
             "policy": "cadence",
-            "task": f"digits MLP 64-64-10, Adam lr 0.01, batch 16, {epochs} epochs",
+            "task": f"digits MLP 64-{HIDDEN}-10, Adam lr 0.01, batch 16, {epochs} epochs",
+            "fault_after_batches": "round((20 + 7 i) * 3 / N) for trial i = 0, 1, ...",
             "sigkill_heartbeat_timeout_s": CoordinatorConfig().heartbeat_timeout,
-            "sigstop_heartbeat_timeout_s": SIGSTOP_HEARTBEAT_TIMEOUT_S,
-            "sigstop_heartbeat_interval_s": 0.5,
+            "sigstop_heartbeat_timeout_s": {str(n): sigstop_timeout(n) for n in nprocs},
+            "sigstop_heartbeat_interval_s": SIGSTOP_HEARTBEAT_INTERVAL_S,
             "measure": "fault moment (written by the rank before the signal) to the first "
             "average a survivor completed on a newer group generation",
         },
         "load_average": {"start": load_start, "end": load()},
         "total_bench_s": round(time.perf_counter() - started, 1),
         "environment": environment(),
+        "source": source_state(),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
-    print_table(result)
+    print_table(by_nproc)
     print(f"load average {load()} on {os.cpu_count()} cpus; wrote {args.output}")
     return 0
 
