@@ -258,7 +258,9 @@ class ScriptedRank:
     async def _heartbeat(self, channel: Channel) -> None:
         while not self.cancel_scope.cancel_called:
             await trio.sleep(self.script.heartbeat_interval)
-            await self._send(channel, self.machine.heartbeat())
+            beat = self.machine.heartbeat()
+            if beat is not None:
+                await self._send(channel, beat)
 
     async def _receive(self, channel: Channel, scope: trio.CancelScope) -> None:
         try:

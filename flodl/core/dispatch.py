@@ -151,6 +151,7 @@ class Dispatch:
         if self.work is not None and survivors:
             for target, extension in self.work.reassign(dead, survivors):
                 self.plan[target] += span_batches(extension, self.work.batch_size)
+                self._idle_fill.planned(self.plan[target])
                 effects.append(Send(target, extension))
         self._awaiting_completion.discard(dead)
         self._filling.discard(dead)

@@ -42,6 +42,9 @@ class IdleFill:
         self._cursor = 0
         self._started_at = 0.0
         self._plan: Sequence[int] = ()
+        self._largest = 0
+        """``max(plan)``, kept with the plan: asked on every query, and a scan of a
+        4,096-rank plan per completion frame made each window end quadratic."""
         self._last_report: dict[int, float] = {}
         self._pace: dict[int, float] = {}
         """Uncalibrated windows: each rank's latest batch time (ms) in this window."""
@@ -62,6 +65,7 @@ class IdleFill:
         *uncalibrated*: the decision then uses the batch times reported in the window itself.
         """
         self._plan = plan
+        self._largest = max(plan, default=0)
         self._ms = ms_per_batch
         self._started_at = now
         self._cursor = 0
@@ -74,6 +78,11 @@ class IdleFill:
             self._by_span = []
             return
         self._by_span = sorted(planned, key=lambda rank: -plan[rank] * ms_per_batch[rank])
+
+    def planned(self, count: int) -> None:
+        """A rank's plan in the current window grew to ``count`` (a dead rank's batches were
+        handed to it); the plan itself is the sequence given to :meth:`begin_window`."""
+        self._largest = max(self._largest, count)
 
     def on_batch(self, rank: int, now: float, batch_ms: float) -> None:
         """``rank`` reported a finished batch that took ``batch_ms``. O(1)."""
@@ -104,7 +113,7 @@ class IdleFill:
         if not 0 <= rank < len(self._plan):
             return 0
         given = max(steps_of(rank) - self._plan[rank], 0)
-        budget = MAX_FILL_WINDOWS * max(self._plan) - given
+        budget = MAX_FILL_WINDOWS * self._largest - given
         if budget <= 0:
             return 0
         if self._by_span:
@@ -156,8 +165,7 @@ class IdleFill:
         if self._unreported > 0:
             # A rank without a single batch yet takes longer than the whole window so far
             # per batch: at least that again for every batch after the one it is running.
-            longest_plan = max(self._plan, default=0)
-            return max(longest_plan - 1, 0) * elapsed_ms
+            return max(self._largest - 1, 0) * elapsed_ms
         slowest = self._slowest
         if slowest is None or not working(slowest):
             return 0.0

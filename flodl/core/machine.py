@@ -21,7 +21,9 @@ checkpoint saved and Shutdown sent, or a ShutdownWithSave because the run cannot
 
 Work protocol (what ranks must do, see also :mod:`flodl.core.partitions`): a rank works through
 the sample ranges it is given (StartEpoch, ExtendPartition) in order, one ``Batch`` report per
-finished batch; when it has nothing left it sends one ``Metrics`` report for the chunk it just
+finished batch (or several in one ``Batches`` frame, taken exactly as that many ``Batch``
+reports arriving together; a rank that coalesces sends them before anything else it sends);
+when it has nothing left it sends one ``Metrics`` report for the chunk it just
 finished (its *completion frame*, carrying the chunk's delivered wall time) and waits. After a
 collective it bumps its step count, so its next report acknowledges the round.
 """
@@ -46,6 +48,7 @@ from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
 from flodl.wire.messages import (
     Batch,
+    Batches,
     CheckpointResult,
     DeclareDead,
     Exiting,
@@ -270,6 +273,8 @@ class CoordinatorMachine:
             return []
         if isinstance(message, Batch):
             return self._on_batch(rank, message, now)
+        if isinstance(message, Batches):
+            return self._on_batches(rank, message, now)
         if isinstance(message, SyncAck):
             return self._on_ack(rank, message, now)
         if isinstance(message, Metrics):
@@ -465,6 +470,16 @@ class CoordinatorMachine:
             effects += self._maybe_trigger(now)
             if seen.out_of_work and self.cycle.round == round_before and self._rounds_run():
                 effects += self.rounds.fill(rank, now)
+        return effects
+
+    def _on_batches(self, rank: int, batches: Batches, now: float) -> list[Effect]:
+        """Coalesced reports: each entry is taken as its own ``Batch``, in order, all at
+        ``now``, so every decision is the one a burst of those reports would give."""
+        effects: list[Effect] = []
+        for batch in batches.reports():
+            effects += self._on_batch(rank, batch, now)
+            if self.finished:
+                break  # the run ended on one of them: the rest would be ignored anyway
         return effects
 
     def _on_metrics(self, rank: int, metrics: Metrics, now: float) -> list[Effect]:

@@ -18,7 +18,13 @@ The work protocol (what :mod:`flodl.core.machine` relies on):
   DeclareDead, group set-up, Shutdown); work, SyncNow and Checkpoint queue in arrival order for
   the next *batch boundary*, where the training loop is waiting. Work that arrives with
   nothing queued before it is queued at once (it needs no boundary);
-* one ``Batch`` per finished batch; ``step_count`` counts batches and finished averages;
+* one ``Batch`` per finished batch; ``step_count`` counts batches and finished averages.
+  A machine built with ``coalesce=True`` holds its reports instead and sends them together
+  as one ``Batches`` frame: before anything else it sends (so the coordinator sees every
+  report in order, and a chunk's reports before its ``Metrics``), in place of the next
+  heartbeat, or once :data:`MAX_COALESCED` are held. Such a rank also skips a heartbeat when
+  it sent another frame since the last one (any frame is a sign of life to the coordinator),
+  so it sends a frame at least every two heartbeat intervals;
 * when the work runs dry (or the epoch changes), one ``Metrics`` for the chunk just finished
   (its completion frame, with the chunk's wall time and the idle time within it);
 * ``SyncAck`` after each average; ``Note`` then ``Exiting`` when the run ends for this rank.
@@ -69,6 +75,7 @@ from flodl.errors import ConfigError, FlodlError, OutOfTurn, UnexpectedMessage
 from flodl.wire.messages import (
     Abort,
     Batch,
+    Batches,
     Checkpoint,
     CheckpointResult,
     CoordHeartbeat,
@@ -96,6 +103,9 @@ from flodl.wire.messages import (
 )
 
 __all__ = ["MeasuredRound", "RankMachine", "RoundFigures"]
+
+MAX_COALESCED = 1024
+"""A coalescing rank sends its held reports once it holds this many (a frame's size bound)."""
 
 _NEEDS_JOB = (StartEpoch, ExtendPartition, SyncNow, Checkpoint, SaveConsensusModel)
 """Messages that only make sense once the job is announced."""
@@ -134,10 +144,22 @@ class _Background:
 class RankMachine:
     """One rank's protocol state. Every method is synchronous and returns at once."""
 
-    def __init__(self, rank: int, world_size: int, policy: Policy) -> None:
+    def __init__(
+        self, rank: int, world_size: int, policy: Policy, *, coalesce: bool = False
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.policy = policy
+        self.coalesce = coalesce
+        """Batch reports go out coalesced, as ``Batches`` (module docstring)."""
+        self._held_ms: list[float] = []
+        self._held_data_ms: list[float] = []
+        self._held_loss: list[float] = []
+        """Coalescing: the reports not sent yet, oldest first (one entry per batch)."""
+        self._held_step = 0
+        """Coalescing: the step count right after the last held batch."""
+        self._sent_since_beat = False
+        """Coalescing: a frame went out since the last :meth:`heartbeat`."""
         self.life = Lifecycle()
         """The state (``life.state``) and why the run ended for this rank."""
         self.job: Job | None = None
@@ -201,7 +223,7 @@ class RankMachine:
             batch_size=job.batch_size,
             epochs=job.epochs,
         )
-        return [Send(ready)]
+        return self._out([Send(ready)])
 
     def connection_lost(self, error: FlodlError) -> list[Reaction]:
         """The coordinator fell silent or the connection broke. Once ending this changes
@@ -219,8 +241,46 @@ class RankMachine:
             "exit_reason": self.life.exit_reason,
         }
 
-    def heartbeat(self) -> Heartbeat:
-        return Heartbeat(rank=self.rank, step_count=self.step_count)
+    @property
+    def held(self) -> int:
+        """Batch reports held back for the next ``Batches`` frame (coalescing only)."""
+        return len(self._held_ms)
+
+    def heartbeat(self) -> Heartbeat | Batches | None:
+        """What to send at the heartbeat interval: a ``Heartbeat``; when coalescing, the held
+        reports instead (a sign of life too), or nothing when another frame went out since
+        the last call. The shell sends it in order with the machine's other messages."""
+        if not self.coalesce:
+            return Heartbeat(rank=self.rank, step_count=self.step_count)
+        sent, self._sent_since_beat = self._sent_since_beat, False
+        if self._held_ms:
+            return self._take_held()
+        return None if sent else Heartbeat(rank=self.rank, step_count=self.step_count)
+
+    def _take_held(self) -> Batches:
+        """The held reports as one frame (they are no longer held)."""
+        batches = Batches(
+            rank=self.rank,
+            step_count=self._held_step,
+            batch_ms=tuple(self._held_ms),
+            data_ms=tuple(self._held_data_ms),
+            batch_loss=tuple(self._held_loss),
+        )
+        self._held_ms.clear()
+        self._held_data_ms.clear()
+        self._held_loss.clear()
+        return batches
+
+    def _out(self, effects: list[RankEffect]) -> list[RankEffect]:
+        """Coalescing: the held reports go out just before the first message of ``effects``."""
+        if self.coalesce:
+            for at, effect in enumerate(effects):
+                if isinstance(effect, Send):
+                    self._sent_since_beat = True
+                    if self._held_ms:
+                        effects.insert(at, Send(self._take_held()))
+                    break
+        return effects
 
     def request_checkpoint(self) -> list[RankEffect]:
         """The script asks for a bundle of this rank: ``Intent(CHECKPOINT_NOW)``; the
@@ -229,7 +289,7 @@ class RankMachine:
         self.life.raise_if_lost()
         if self.life.ending or self.life.done:
             return []
-        return [Send(Intent(rank=self.rank, kind=IntentKind.CHECKPOINT_NOW))]
+        return self._out([Send(Intent(rank=self.rank, kind=IntentKind.CHECKPOINT_NOW))])
 
     # --- messages ----------------------------------------------------------------------------
 
@@ -319,6 +379,9 @@ class RankMachine:
         :mod:`flodl.core.rank_effects`). After a step that takes time, report its end, then
         call again; after :class:`Wait`, call again once something changed. Bad work
         queued behind other messages raises ProtocolError here, to the training loop."""
+        return self._out(self._boundary(now))
+
+    def _boundary(self, now: float) -> list[RankEffect]:
         if not self.times.in_boundary:
             raise OutOfTurn("boundary() outside enter_boundary() / leave_boundary()")
         life = self.life
@@ -374,7 +437,7 @@ class RankMachine:
         return None
 
     def _goodbye(self, why: str) -> list[RankEffect]:
-        return [Send(Note(rank=self.rank, detail=why)), Send(Exiting(rank=self.rank))]
+        return self._out([Send(Note(rank=self.rank, detail=why)), Send(Exiting(rank=self.rank))])
 
     # --- batches -------------------------------------------------------------------------
 
@@ -405,13 +468,24 @@ class RankMachine:
         return effects
 
     def batch_done(self, loss: float, data_ms: float, now: float) -> list[RankEffect]:
-        """The current batch finished with ``loss``: ``Batch`` (OutOfTurn if none is out)."""
+        """The current batch finished with ``loss``: ``Batch`` (OutOfTurn if none is out).
+        Coalescing: the report is held (module docstring); nothing is sent unless that makes
+        :data:`MAX_COALESCED`."""
         if self.work is None:
             raise OutOfTurn("batch_done() before the job was announced")
         batch_ms = self.work.finish(loss, now)
         self.batches += 1
         self.step_count += 1
         self.since_average += 1
+        if self.coalesce:
+            self._held_ms.append(batch_ms)
+            self._held_data_ms.append(max(float(data_ms), 0.0))
+            self._held_loss.append(float(loss))
+            self._held_step = self.step_count
+            if len(self._held_ms) < MAX_COALESCED:
+                return []
+            self._sent_since_beat = True
+            return [Send(self._take_held())]
         report = Batch(
             rank=self.rank,
             batch_ms=batch_ms,
@@ -495,7 +569,7 @@ class RankMachine:
             post_norm=_finite(figures.post_norm),
             pre_norm=_finite(figures.pre_norm),
         )
-        return [Send(ack)]
+        return self._out([Send(ack)])
 
     # --- saving ------------------------------------------------------------------------------
 
@@ -515,7 +589,7 @@ class RankMachine:
             error=error,
             path=path,
         )
-        return [Send(result)]
+        return self._out([Send(result)])
 
     def loss_save_finished(self, outcome: str) -> list[RankEffect]:
         """The bundle of :class:`SaveOnLoss` was written (``outcome`` says where, or why

@@ -191,6 +191,25 @@ def f64_list() -> Any:
     return attrs.field(factory=tuple, converter=convert, validator=check)
 
 
+def duration_list() -> Any:
+    """A list of finite, non-negative floats (measured times) of bounded length, stored as a
+    tuple; ints are widened."""
+
+    def convert(value: object) -> object:
+        if type(value) is list or type(value) is tuple:
+            return tuple(float(v) if type(v) is int else v for v in value)
+        return value
+
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if type(value) is not tuple or len(value) > MAX_ITEMS:
+            raise _fail(attribute, f"a list of at most {MAX_ITEMS} durations", value)
+        for item in value:
+            if type(item) is not float or not (item >= 0.0 and math.isfinite(item)):
+                raise _fail(attribute, "a list of finite floats >= 0", value)
+
+    return attrs.field(converter=convert, validator=check)
+
+
 def scalar_map() -> Any:
     """A bounded mapping of metric name to float; stored as a sorted tuple of pairs."""
 

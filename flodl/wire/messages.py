@@ -20,6 +20,7 @@ import attrs
 from flodl.errors import MessageValidationError, UnknownMessage
 from flodl.wire.fields import (
     blob,
+    duration_list,
     duration_ms,
     f64,
     f64_list,
@@ -337,6 +338,54 @@ class Ready(Message):
     epochs: int = u64()
 
 
+@attrs.frozen
+class Batches(Message):
+    """Several training steps ``rank`` finished, oldest first, in one frame: the i-th entry of
+    each list is what the i-th of ``len(batch_ms)`` ``Batch`` reports would say, and the
+    coordinator takes them exactly as those reports arriving together.
+
+    ``step_count`` is the rank's step count after the last of them (the i-th had
+    ``step_count - n + 1 + i``). A rank that coalesces its reports sends one when it has
+    something else to send (the reports go first, so order is kept) and in place of a
+    heartbeat, so every report reaches the coordinator within two heartbeat intervals.
+    Validation: 1 to 65536 entries, the three lists of equal length, ``step_count >= n``;
+    times finite and >= 0, losses any float (NaN: not measured).
+    """
+
+    TAG: ClassVar[int] = 75
+    rank: int = u64()
+    step_count: int = u64()
+    batch_ms: tuple[float, ...] = duration_list()
+    data_ms: tuple[float, ...] = duration_list()
+    batch_loss: tuple[float, ...] = f64_list()
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.batch_ms)
+        if n == 0:
+            raise MessageValidationError("field 'batch_ms': expected at least one batch, got none")
+        if len(self.data_ms) != n or len(self.batch_loss) != n:
+            raise MessageValidationError(
+                f"fields 'batch_ms', 'data_ms', 'batch_loss': expected lists of equal length, "
+                f"got {n}, {len(self.data_ms)} and {len(self.batch_loss)}"
+            )
+        if self.step_count < n:
+            raise MessageValidationError(
+                f"field 'step_count': expected at least the {n} batches reported, "
+                f"got {self.step_count}"
+            )
+
+    def reports(self) -> list[Batch]:
+        """The ``Batch`` report of each entry, oldest first."""
+        first = self.step_count - len(self.batch_ms) + 1
+        rank = self.rank
+        return [
+            Batch(rank, batch_ms, data_ms, first + i, loss)
+            for i, (batch_ms, data_ms, loss) in enumerate(
+                zip(self.batch_ms, self.data_ms, self.batch_loss, strict=True)
+            )
+        ]
+
+
 TO_RANK: tuple[type[Message], ...] = (
     SyncNow,
     SetGlobalStep,
@@ -369,6 +418,7 @@ TO_COORDINATOR: tuple[type[Message], ...] = (
     Metrics,
     Note,
     Ready,
+    Batches,
 )
 """Messages ranks send to the coordinator."""
 

@@ -14,7 +14,7 @@ import trio
 from flodl.errors import CoordinatorError, FlodlError, TransportError
 from flodl.transports import connect
 from flodl.transports.channel import Channel, connect_rank
-from flodl.wire.messages import Heartbeat, Message
+from flodl.wire.messages import Message
 from flodl.worker.config import WorkerConfig
 from flodl.worker.outbox import Outbox
 
@@ -109,11 +109,16 @@ async def receive_until_lost(
         on_lost(CoordinatorError(f"lost the connection to the coordinator: {err}"))
 
 
-async def beat(outbox: Outbox, interval: float, heartbeat: Callable[[], Heartbeat]) -> None:
-    """Send ``heartbeat()`` every ``interval`` seconds, on a fixed grid, until the outbox is
-    closed (the coordinator is lost) or this task is cancelled."""
+async def beat(outbox: Outbox, interval: float, heartbeat: Callable[[], Message | None]) -> None:
+    """Every ``interval`` seconds, on a fixed grid, send what ``heartbeat()`` gives (a
+    Heartbeat, the rank's held batch reports, or nothing), until the outbox is closed (the
+    coordinator is lost) or this task is cancelled. It goes out behind what the outbox holds,
+    so held reports never overtake a message the machine produced before them."""
     next_beat = trio.current_time()
     while not outbox.closed:
         next_beat += interval
         await trio.sleep_until(next_beat)
-        await outbox.send(heartbeat())
+        message = heartbeat()
+        if message is not None:
+            outbox.put(message)
+            await outbox.flush()

@@ -7,8 +7,9 @@ background tasks for as long as the block lasts:
   its reactions are performed at once. If no frame at all arrives for ``heartbeat_timeout``
   seconds, or the connection breaks, the coordinator is lost: the rank writes a death record
   (see :mod:`flodl.worker.records`) and every later call raises :class:`CoordinatorError`;
-* the **heartbeat**, which sends ``Heartbeat`` every ``heartbeat_interval`` whatever the
-  training loop does;
+* the **heartbeat**, which sends a sign of life every ``heartbeat_interval`` whatever the
+  training loop does: ``Heartbeat``, or the batch reports the machine holds (``Batches``),
+  or nothing when another frame went out since the last beat;
 * the **group joiner**, which joins each new group generation (:mod:`flodl.worker.membership`).
 
 The training loop calls :meth:`Worker.next_batch` and :meth:`Worker.batch_done`. Parameters
@@ -97,7 +98,9 @@ class Worker:
         self.model = model
         self.optimizer = optimizer
         self.backend = backend
-        self.machine = RankMachine(config.rank, config.world_size, config.policy)
+        # Coalesced reports: the coordinator's work per rank then grows with its windows,
+        # not with every batch (see flodl.core.rank).
+        self.machine = RankMachine(config.rank, config.world_size, config.policy, coalesce=True)
         self.final_metrics: dict[str, float] = {}
         self._started_at = trio.current_time()
         self._channel: Channel | None = None

@@ -41,6 +41,7 @@ from flodl.core.work import BatchSlice
 from flodl.errors import ShutdownRequested
 from flodl.wire.messages import (
     Batch,
+    Batches,
     Checkpoint,
     CheckpointResult,
     CoordHeartbeat,
@@ -311,6 +312,9 @@ def play(choices: Sequence[int], run: Run) -> None:
         detail = choice // len(actions)
         if action == "heartbeat":
             run.deliver(CoordHeartbeat())
+            beat = machine.heartbeat()  # and the rank's own beat (coalescing: its reports)
+            if beat is not None:
+                run.received.append(beat)
         elif action == "summary":
             run.summary = EpochAggregated(
                 epoch=machine.epoch, avg_loss=0.5, samples=run.job.dataset_size, epoch_ms=9.0
@@ -353,19 +357,35 @@ def play(choices: Sequence[int], run: Run) -> None:
     policy=st.sampled_from(Policy),
     rank=st.integers(0, 1),
     with_save=st.booleans(),
+    coalesce=st.booleans(),
 )
 def test_a_random_legal_run_trains_every_sample_once_and_reports_it(
-    data: st.DataObject, job: Job, policy: Policy, rank: int, with_save: bool
+    data: st.DataObject, job: Job, policy: Policy, rank: int, with_save: bool, coalesce: bool
 ) -> None:
     work: deque[Message] = deque()
     for epoch in range(job.epochs):
         work += data.draw(epoch_spans(epoch, job.dataset_size), label=f"epoch {epoch}")
-    machine = RankMachine(rank, 2, policy)
+    machine = RankMachine(rank, 2, policy, coalesce=coalesce)
     machine.announce(job)
     run = Run(machine, job, work)
     length = data.draw(st.integers(0, MAX_ACTIONS), label="length")
     play(data.draw(st.binary(min_size=length, max_size=length), label="actions"), run)
     run.finish(with_save)
+    if coalesce:
+        # Reports only as Batches, each batch's before any message sent after it: before a
+        # chunk's completion frame, every batch of the chunk was reported.
+        assert not any(isinstance(m, Batch) for m in run.received)
+        reported = finished = 0
+        for message in run.received:
+            if isinstance(message, Batches):
+                reported += len(message.batch_ms)
+            elif isinstance(message, Metrics):
+                finished += message.batches_processed
+                assert reported >= finished
+        run.received = [
+            r for m in run.received for r in (m.reports() if isinstance(m, Batches) else [m])
+        ]
+        assert machine.held == 0
 
     # Every position of every epoch trained exactly once.
     trained = Counter((b.epoch, p) for b in run.trained for p in range(b.start, b.stop))

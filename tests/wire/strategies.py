@@ -17,7 +17,7 @@ import attrs
 from hypothesis import strategies as st
 
 from flodl.wire import fields
-from flodl.wire.messages import ALL_MESSAGES, Message
+from flodl.wire.messages import ALL_MESSAGES, Batches, Message
 
 any_float = st.floats(allow_nan=True, allow_infinity=True)
 durations = st.floats(min_value=0.0, allow_nan=False, allow_infinity=False)
@@ -52,8 +52,24 @@ def field_strategy(cls: type[Message], field: attrs.Attribute[Any]) -> st.Search
     raise NotImplementedError(f"no strategy for {cls.__name__}.{field.name} ({hint})")
 
 
+@st.composite
+def _batches(draw: st.DrawFn) -> Batches:
+    """Valid Batches: 1..8 entries, the three lists of one length, a step count that covers
+    them (its fields depend on each other, so the per-field strategies do not fit)."""
+    n = draw(st.integers(1, 8))
+    return Batches(
+        rank=draw(st.integers(0, fields.U64_MAX)),
+        step_count=draw(st.integers(n, fields.U64_MAX)),
+        batch_ms=tuple(draw(st.lists(durations, min_size=n, max_size=n))),
+        data_ms=tuple(draw(st.lists(durations, min_size=n, max_size=n))),
+        batch_loss=tuple(draw(st.lists(any_float, min_size=n, max_size=n))),
+    )
+
+
 def message_strategy(cls: type[Message]) -> st.SearchStrategy[Message]:
     """Valid instances of ``cls``."""
+    if cls is Batches:
+        return _batches()
     kwargs = {f.name: field_strategy(cls, f) for f in attrs.fields(cls)}
     return st.builds(cls, **kwargs)
 

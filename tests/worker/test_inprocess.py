@@ -29,6 +29,7 @@ from flodl.transports import open_listener
 from flodl.transports.channel import Channel, accept_rank
 from flodl.wire.messages import (
     Batch,
+    Batches,
     Checkpoint,
     CheckpointResult,
     DeclareDead,
@@ -344,7 +345,11 @@ async def test_checkpoint_then_shutdown_with_save(tmp_path: Path) -> None:
                 with pytest.raises(ShutdownRequested):  # and again on every later call
                     await worker.next_batch()
                 await peer.expect(Exiting)
-    assert sum(isinstance(m, Batch) for m in received) == 2
+    # The worker coalesces its reports: one per batch, each before what followed it.
+    reports = [m for m in received if isinstance(m, Batch | Batches)]
+    assert sum(len(m.batch_ms) if isinstance(m, Batches) else 1 for m in reports) == 2
+    first_result = next(m for m in received if isinstance(m, CheckpointResult))
+    assert received.index(reports[0]) < received.index(first_result)
     results = [m for m in received if isinstance(m, CheckpointResult)]
     assert [(r.version, r.error) for r in results] == [(3, None)]
     assert isinstance(received[-1], Exiting) and isinstance(received[-2], Note)
