@@ -112,8 +112,31 @@ RECOVERY_CAP_S = 75.0
 """How long a torchft trial waits for recovery after the kill (past gloo's 60 s timeout)."""
 
 
+def source_commit() -> str | None:
+    """The commit of the code measured: ``git rev-parse HEAD`` here, else FLODL_SOURCE_COMMIT
+    (set it when running from an exported snapshot, so edits in a shared checkout cannot
+    change the code under test in the middle of a run)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(HERE), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except OSError:
+        done = None
+    if done is not None and done.returncode == 0:
+        return done.stdout.strip()
+    return os.environ.get("FLODL_SOURCE_COMMIT")
+
+
 def environment() -> dict[str, object]:
-    return benchenv.environment(("torch", "trio", "flodl", "torchft"))
+    return benchenv.environment(
+        ("torch", "trio", "flodl", "torchft"),
+        source_commit=source_commit(),
+        source_dir=str(HERE.parent),
+    )
 
 
 # --------------------------------------------------------------------------- availability
