@@ -107,6 +107,7 @@ from flodl.core.rank_effects import (
     Wait,
     Wake,
 )
+from flodl.core.timeline import EventKind, TimelineEvent
 from flodl.errors import FlodlError, ShutdownRequested
 from flodl.transports import connect
 from flodl.transports.channel import RECEIVE_CHUNK, Channel, connect_rank
@@ -122,6 +123,7 @@ from flodl.wire.handshake import (
 from flodl.wire.messages import (
     TO_RANK_TAGS,
     Batch,
+    Batches,
     Heartbeat,
     Message,
     Metrics,
@@ -210,6 +212,8 @@ class Recorder:
         self.latency_by_kind: dict[str, array[float]] = {}
         self.received = Counter[str]()
         """Messages the coordinator's machine processed in the window, by kind."""
+        self.batch_reports = 0
+        """Batch reports among them: one per Batch, one per entry of a Batches."""
         self.delivered = Counter[str]()
         """Messages ranks received from the coordinator in the window, by kind."""
         self.unstamped = 0
@@ -252,6 +256,7 @@ class Recorder:
         if self.measuring:
             kind = type(message).__name__
             self.received[kind] += 1
+            self.batch_reports += _reports_in(message)
             self.latency.append(now - sent)
             self.latency_by_kind.setdefault(kind, array("d")).append(now - sent)
 
@@ -260,12 +265,20 @@ class Recorder:
             return
         kind = type(message).__name__
         self.received[kind] += 1
+        self.batch_reports += _reports_in(message)
         sent = stamp_of(message)
         if sent is None:
             self.unstamped += 1
             return
         self.latency.append(monotonic_now - sent)
         self.latency_by_kind.setdefault(kind, array("d")).append(monotonic_now - sent)
+
+
+def _reports_in(message: Message) -> int:
+    """Batch reports ``message`` carries."""
+    if isinstance(message, Batches):
+        return len(message.batch_ms)
+    return 1 if isinstance(message, Batch) else 0
 
 
 # --- send stamps (split mode) -------------------------------------------------------------------
@@ -280,6 +293,7 @@ class Recorder:
 
 _STAMP_FIELD: dict[type[Message], str] = {
     Batch: "batch_loss",
+    Batches: "batch_loss",
     Heartbeat: "step_count",
     Metrics: "avg_loss",
     SyncAck: "pre_norm",
@@ -292,7 +306,9 @@ def stamped_payload(message: Message, at: float) -> dict[str, Any]:
     seconds) where its kind has room for it."""
     fields = to_payload(message)
     name = _STAMP_FIELD.get(type(message))
-    if name is not None:
+    if isinstance(message, Batches):
+        fields["batch_loss"] = [*message.batch_loss[:-1], at]  # the last entry's loss
+    elif name is not None:
         fields[name] = round(at * 1e6) if name == "step_count" else at
     return fields
 
@@ -314,6 +330,8 @@ def stamp_of(message: Message) -> float | None:
     alone)."""
     if isinstance(message, Batch):
         return message.batch_loss
+    if isinstance(message, Batches):
+        return message.batch_loss[-1]
     if isinstance(message, Heartbeat):
         return message.step_count / 1e6
     if isinstance(message, Metrics):
@@ -510,8 +528,12 @@ class RankLoop:
     goodbye); the loop only decides when things happen:
 
     * a batch handed out finishes at the rank's next grid tick (``batch_phase + k *
-      BATCH_PERIOD_S``; the shell runs :meth:`tick` at the time given to ``schedule``); the
-      rank is then at its batch boundary and asks the machine for the next step;
+      BATCH_PERIOD_S``); the rank is then at its batch boundary and asks the machine for the
+      next step. The machine holds its reports (coalescing, as the worker does), so the loop
+      runs its batches only when something can be seen: when a message arrives, at a
+      heartbeat, or at a wake it asks the shell for (``schedule``, then :meth:`tick`) at the
+      last batch of its work or at a boundary with something to act on. Each batch is still
+      finished at its own grid time, so the machine sees the same times;
     * an average takes no time (there is no backend): the machine's step is answered at once
       and the SyncAck goes out. A group to prepare is answered ``NewGroupReady`` (info
       ``b"sim"``); once one is announced the rank is a member of it;
@@ -531,10 +553,13 @@ class RankLoop:
         schedule: Callable[[float], None],
     ) -> None:
         self.rank = rank
-        self.machine = RankMachine(rank, world_size, RANK_POLICY)
+        # The worker's protocol: reports coalesced (flodl.core.rank).
+        self.machine = RankMachine(rank, world_size, RANK_POLICY, coalesce=True)
         self.batch_phase = batch_phase
         self.recorder = recorder
         self._schedule = schedule
+        self._armed: float | None = None
+        """The earliest wake asked of the shell and not yet run (None: none)."""
         self.due: float | None = None
         """The grid time at which the batch handed out finishes (None: none is out)."""
         self.waiting = False
@@ -551,27 +576,68 @@ class RankLoop:
         return out
 
     def receive(self, message: Message, now: float) -> list[Message]:
-        out: list[Message] = []
+        out = self._catch_up(now)
         if not self.over and self._react(self.machine.receive(message), out) and self.waiting:
             self._boundary(now, out)
+        self._arm()
         return out
 
     def tick(self, now: float) -> list[Message]:
-        """The batch's grid tick came: report it done; the boundary's next step."""
-        due = self.due
-        assert due is not None
-        self.due = None
-        if now >= due + BATCH_PERIOD_S and self.recorder.measuring:
-            self.recorder.late_rank_ticks += 1  # a whole period behind: missed ticks skipped
-        machine = self.machine
-        out: list[Message] = []
-        self._react(machine.batch_done(LOSS, 0.0, now), out)
-        machine.enter_boundary(now)
-        self._boundary(now, out)
+        """A wake the loop asked for came: every batch due by ``now`` is done."""
+        armed = self._armed
+        if armed is not None and now >= armed:
+            self._armed = None
+            if now >= armed + BATCH_PERIOD_S and self.recorder.measuring:
+                self.recorder.late_rank_ticks += 1  # a whole period behind schedule
+        out = self._catch_up(now)
+        self._arm()
         return out
 
-    def heartbeat(self) -> Message | None:
-        return None if self.over else self.machine.heartbeat()
+    def heartbeat(self, now: float) -> list[Message]:
+        """The heartbeat interval came: every batch due by ``now`` is done, then what the
+        machine sends at a heartbeat (its held reports, a Heartbeat, or nothing)."""
+        if self.over:
+            return []
+        out = self._catch_up(now)
+        self._arm()
+        beat = self.machine.heartbeat()
+        if beat is not None:
+            out.append(beat)
+        return out
+
+    def _catch_up(self, now: float) -> list[Message]:
+        """Finish, in order and each at its own grid time, every batch due by ``now``.
+
+        Between two of them the coordinator sees nothing (the machine holds the reports), so
+        the loop runs them when something can be seen: a message arrives, a heartbeat is due,
+        or the work runs dry (see :meth:`_arm`). The machine gets each batch's own time.
+        """
+        out: list[Message] = []
+        machine = self.machine
+        while self.due is not None and self.due <= now and not self.over:
+            due, self.due = self.due, None
+            self._react(machine.batch_done(LOSS, 0.0, due), out)
+            machine.enter_boundary(due)
+            self._boundary(due, out)
+        return out
+
+    def _arm(self) -> None:
+        """Ask the shell to wake the loop when the coordinator could next see something
+        without a message or heartbeat: the last batch of the queued work (the completion
+        frame follows it), or the next boundary when it has something to act on (a queued
+        message, a throttle)."""
+        due = self.due
+        if due is None or self.over:
+            return
+        machine = self.machine
+        work = machine.work
+        if machine.queued or machine.throttled or work is None:
+            wake = due
+        else:
+            wake = due + (work.queue.queued_samples // JOB.batch_size) * BATCH_PERIOD_S
+        if self._armed is None or wake < self._armed:
+            self._armed = wake
+            self._schedule(wake)
 
     def _react(self, effects: Sequence[RankEffect], out: list[Message]) -> bool:
         """Perform reactions (sends into ``out``); True if one asks to wake the boundary.
@@ -614,7 +680,6 @@ class RankLoop:
                 self.waiting = False
                 if isinstance(step, HandOut):
                     self.due = _next_grid_tick(now, self.batch_phase, BATCH_PERIOD_S)
-                    self._schedule(self.due)
                 elif isinstance(step, Finish) or (
                     isinstance(step, Raise) and isinstance(step.error, ShutdownRequested)
                 ):
@@ -704,11 +769,10 @@ class LeanRank:
             self._send(self.loop.tick(now))
 
     def _heartbeat(self, now: float) -> None:
-        beat = self.loop.heartbeat()
-        if self.channel is None or beat is None:
+        if self.channel is None or self.loop.over:
             return
         self.metronome.at(now + HEARTBEAT_PERIOD_S, self._heartbeat)
-        self._send([beat])
+        self._send(self.loop.heartbeat(now))
 
     def _sending(self, messages: Sequence[Message], at: float) -> None:
         """``messages`` were handed to the Channel at ``at`` (no await in between)."""
@@ -777,7 +841,7 @@ def _base_row(
     received = sum(recorder.received.values())
     latency = summarize_ms(recorder.latency)
     timer = summarize_ms(list(recorder.timer_lateness) + list(recorder.deadline_lateness))
-    batch_rate = recorder.received["Batch"] / wall / ranks
+    batch_rate = recorder.batch_reports / wall / ranks
     p99_worst = max(latency["p99_ms"], timer["p99_ms"])
     meets = (
         received > 0
@@ -808,6 +872,8 @@ def _base_row(
         "cpu_s": round(cpu, 3),
         "cpu_share_of_wall": round(cpu / wall, 3),
         "cpu_us_per_message": round(cpu / received * 1e6, 2) if received else None,
+        "cpu_us_per_rank_s": round(cpu / wall / ranks * 1e6, 2),
+        "batch_reports": recorder.batch_reports,
         "meets_target": meets,
         "load_average_1m_before": round(load_before, 2),
         "load_average_1m_after": round(os.getloadavg()[0], 2),
@@ -1087,6 +1153,11 @@ async def measure_split(
                         reports = [await child.stop() for child in children]
                         rounds = machine.cycle.round
                         anchor = machine.elche.anchor
+                        regroup = (
+                            await membership_change(machine, children, ranks // 2)
+                            if ranks >= MIN_RANKS_FOR_REGROUP
+                            else None
+                        )
                         # The ranks leave on the shutdown (closing a socket with unread data
                         # would reset it: let them read it all); then their processes exit.
                         coord.request_stop(save=True)
@@ -1103,6 +1174,7 @@ async def measure_split(
     kept_up = lag_p99 < GENERATOR_LAG_LIMIT_S * 1000.0
     row.update(
         {
+            "membership_change": regroup,
             "transport": transport,
             "unstamped_messages": recorder.unstamped,
             "coordinator_machine_share": _share(recorder.machine_s, cpu),
@@ -1116,6 +1188,52 @@ async def measure_split(
         }
     )
     return row
+
+
+MIN_RANKS_FOR_REGROUP = 4
+REGROUP_LIMIT_S = 30.0
+REGROUP_POLL_S = 0.002
+
+
+async def membership_change(
+    machine: CoordinatorMachine, children: Sequence[GeneratorProcess], victim: int
+) -> dict[str, Any]:
+    """Kill simulated rank ``victim`` (its generator closes its socket) and time the
+    coordinator's decision: the death detected (``RANK_DEAD``) to the next generation of the
+    group committed (``GROUP_REFORMED``: the survivors' generator answered and every survivor
+    was sent its NewGroupSession), in trio time, as the machine's own ``took_s`` records it.
+    Also the wall time from the kill command to the commit, and the coordinator's CPU time
+    over it (timeline polled every 2 ms, so the wall figures are up to that late)."""
+    seq = machine.timeline.added
+    child = next(c for c in children if victim in c.ranks)
+    cpu_before, wall_before = time.process_time(), time.perf_counter()
+    killed_at = trio.current_time()
+    await child.command(f"kill {victim}")
+    dead_at: float | None = None
+    formed: TimelineEvent | None = None
+    with trio.move_on_after(REGROUP_LIMIT_S):
+        while formed is None:
+            await trio.sleep(REGROUP_POLL_S)
+            for _, event in machine.timeline.since(seq):
+                if event.kind is EventKind.RANK_DEAD and event.detail.get("rank") == victim:
+                    dead_at = event.time
+                elif event.kind is EventKind.GROUP_REFORMED:
+                    formed = event
+                    break
+    wall = time.perf_counter() - wall_before
+    cpu = time.process_time() - cpu_before
+    took = None if formed is None else formed.detail.get("took_s")
+    return {
+        "killed_rank": victim,
+        "committed": formed is not None,
+        "decision_s": None if took is None else round(took, 4),
+        "decision_is": "RANK_DEAD to GROUP_REFORMED (trio time, the machine's took_s)",
+        "kill_to_dead_s": None if dead_at is None else round(dead_at - killed_at, 4),
+        "kill_to_commit_wall_s": round(wall, 4) if formed is not None else None,
+        "coordinator_cpu_s": round(cpu, 4),
+        "generation": None if formed is None else formed.detail.get("generation"),
+        "members_after": None if formed is None else len(formed.detail.get("members", [])),
+    }
 
 
 def run_split(
@@ -1206,11 +1324,10 @@ class WireRank:
             self.send(self.loop.tick(now))
 
     def heartbeat(self, now: float) -> None:
-        beat = self.loop.heartbeat()
-        if not self.open or beat is None:
+        if not self.open or self.loop.over:
             return
         self.hub.metronome.at(now + HEARTBEAT_PERIOD_S, self.heartbeat)
-        self.send([beat])
+        self.send(self.loop.heartbeat(now))
 
     def received(self, data: bytes, now: float) -> None:
         """Act on the bytes that arrived, message by message."""
@@ -1374,12 +1491,14 @@ async def run_generator(url: str, ranks: range, world_size: int, seed: int) -> N
         for _ in range(world_size)
     ]
     limiter = trio.CapacityLimiter(CONNECT_AT_ONCE)
+    wires: dict[int, WireRank] = {}
     control = LineReader(trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())))
 
     async def join(rank: int) -> None:
         async with limiter:
             sock, keys = await open_wire_rank(url, KEY, rank, world_size)
         wire = WireRank(rank, world_size, hub, sock, keys, *phases[rank])
+        wires[rank] = wire
         hub.add(wire)
         wire.start()
 
@@ -1394,6 +1513,9 @@ async def run_generator(url: str, ranks: range, world_size: int, seed: int) -> N
                 if line == b"start":
                     cpu_before, wall_before = time.process_time(), time.perf_counter()
                     recorder.measuring = True
+                elif line.startswith(b"kill "):
+                    # The rank's process dies: its socket closes with no goodbye.
+                    hub.close(wires[int(line.split()[1])])
                 elif line == b"stop":
                     recorder.measuring = False
                     cpu = time.process_time() - cpu_before

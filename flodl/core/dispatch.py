@@ -120,8 +120,13 @@ class Dispatch:
     def awaits(self, working: Callable[[int], bool]) -> bool:
         """A rank still ``working`` owes a completion frame or runs an idle-fill batch."""
         if not self._awaiting_completion and not self._filling:
-            return False  # the usual case, asked on every report: no set to build
-        return any(working(rank) for rank in self._awaiting_completion | self._filling)
+            return False  # the usual case, asked on every report
+        # Each set on its own, stopping at the first working rank: no union is built (while
+        # thousands of ranks run fill batches, building one per completion frame made each
+        # window end quadratic).
+        return any(working(rank) for rank in self._awaiting_completion) or any(
+            working(rank) for rank in self._filling
+        )
 
     def fill(
         self,
