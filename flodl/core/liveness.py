@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, KeysView
 
 import attrs
 
@@ -92,6 +92,11 @@ class Liveness:
     @property
     def alive(self) -> frozenset[int]:
         return frozenset(self._last_seen)
+
+    @property
+    def alive_view(self) -> KeysView[int]:
+        """The ranks alive now, as a live view (O(1); :attr:`alive` copies them)."""
+        return self._last_seen.keys()
 
     def is_alive(self, rank: int) -> bool:
         return rank in self._last_seen

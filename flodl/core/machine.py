@@ -145,6 +145,10 @@ class CoordinatorMachine:
         join flodl (a plain torchrun script), or ranks that are deaths once another joins."""
         self._phase = RunPhase.JOINING
         self.stats = [RankStats() for _ in range(world_size)]
+        self._any_joined = False
+        """Some rank connected (a stats entry has ``joined_at``): kept as a flag because
+        next_deadline() asks after every report, and a scan of 4,096 entries there made
+        the joining phase quadratic."""
         timeouts = settings.timeouts
         self.liveness = Liveness(world_size, heartbeat_timeout=timeouts.heartbeat, now=now)
         self.rendezvous = Rendezvous(
@@ -232,6 +236,7 @@ class CoordinatorMachine:
             return [Send(rank, self.ending.farewell())]
         self.liveness.admit(rank, now)
         self.stats[rank].joined_at = now
+        self._any_joined = True
         self.timeline.add(now, EventKind.RANK_JOINED, rank=rank)
         effects: list[Effect] = []
         while self._unjoined_exits and not self.finished:  # this is a flodl run after all
@@ -358,7 +363,7 @@ class CoordinatorMachine:
 
     def _form_if_joined(self, now: float) -> list[Effect]:
         """Every rank the run waits for has joined: form generation 0 with them."""
-        if not self.membership.all_joined(self.alive):
+        if not self.membership.all_joined(self.liveness.alive_view):
             return []
         self._phase = RunPhase.FORMING
         ranks = sorted(self.membership.expected())
@@ -367,7 +372,7 @@ class CoordinatorMachine:
     def _awaits_joins(self) -> bool:
         """Whether the join timeout applies: not to a launcher's ranks none of which connected
         yet (a plain torchrun script runs as long as it needs; their exits end the run)."""
-        return not self._supervised or any(s.joined_at is not None for s in self.stats)
+        return not self._supervised or self._any_joined
 
     def _exited_unjoined(self, rank: int, now: float) -> list[Effect]:
         """``rank`` exited 0 without connecting. Before any rank connected, that may be a script

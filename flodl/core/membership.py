@@ -13,7 +13,7 @@ connection state; liveness is asked for by the caller. Pure: no clocks, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 
 from flodl.core.job import Job
 from flodl.core.liveness import unrecoverable_reason
@@ -62,9 +62,11 @@ class Membership:
         self._ready.add(rank)
         return None
 
-    def all_joined(self, alive: frozenset[int]) -> bool:
+    def all_joined(self, alive: Set[int]) -> bool:
         """Every rank that is not gone is alive and ready (and one is): the join deadline no
         longer applies."""
+        if len(self._ready) < self.world_size - len(self.gone):
+            return False  # some rank is not ready yet: asked on every Ready, so no set built
         expected = self.expected()
         if not expected or not expected <= self._ready & alive:
             return False
