@@ -24,13 +24,15 @@ side in one run (gloo, CPU, ``torch.set_num_threads(1)`` in every rank):
 
 (c) **Goodput against the ceiling** (:mod:`ceiling`): the ceiling is the same ranks (same
     processes, model, batch size and per-rank slowdown) training with no communication at
-    all, all at once on this machine, each for as long as flodl's training window of the same
-    configuration; its samples/s is the sum over its ranks, over the same kind of window
-    (first batch on any rank to the end of the last rank's loop; start-up and group forming
-    excluded on both sides). ``goodput_vs_ceiling`` = flodl samples/s / ceiling samples/s,
-    for (b)'s configuration (target >= 0.90, with the accuracy gap of (b)) and in
-    ``goodput_table`` for every rank count of ``--nprocs`` and skew of ``--skews`` (the
-    last rank that much slower; the (b) row is (b)'s run, with DDP).
+    all, all at once on this machine. Its processes start and get ready first, train
+    ``--ceiling-s / 2`` seconds, wait (blocked, no CPU) while flodl runs, then train another
+    ``--ceiling-s / 2``: a change of the machine's load during the row weighs on both sides.
+    Its samples/s is the sum over its ranks over the same kind of window as flodl's (first
+    batch on any rank to the end of the last rank's loop, summed over the two segments;
+    start-up and group forming excluded on both sides). ``goodput_vs_ceiling`` = flodl
+    samples/s / ceiling samples/s, for (b)'s configuration (target >= 0.90, with the
+    accuracy gap of (b)) and in ``goodput_table`` for every rank count of ``--nprocs`` and
+    skew of ``--skews`` (the last rank that much slower; the (b) row is (b)'s run, with DDP).
 
 The machine may be shared: the 1-minute load average is recorded before and after each part
 and row (``load_average_1m``: before the bench). ``--quick`` shrinks everything (2 ranks, tiny
@@ -55,7 +57,7 @@ import benchenv
 import trio
 from averaging_overhead import run_overhead
 from benchenv import load
-from ceiling import run_ceiling
+from ceiling import Ceiling
 from ddp_baseline import run_ddp
 from training_task import TaskConfig
 
@@ -153,17 +155,23 @@ def run_ddp_side(task: TaskConfig, nproc: int) -> dict[str, Any]:
     }
 
 
-def run_ceiling_side(task: TaskConfig, nproc: int, duration_s: float) -> dict[str, Any]:
-    """The same ranks training alone, no communication, for ``duration_s``: the ceiling."""
-    reports = run_ceiling(task, nproc, duration_s)
-    samples = sum(int(r["samples"]) for r in reports)
-    wall = window(reports)
+def ceiling_figures(
+    segments: list[list[dict[str, Any]]], accuracies: list[float]
+) -> dict[str, Any]:
+    """The ceiling's samples/s over its segments (summed samples / summed segment windows)."""
+    samples = [sum(int(r["samples"]) for r in reports) for reports in segments]
+    windows = [window(reports) for reports in segments]
     return {
-        "samples": samples,
-        "window_s": round(wall, 3),
-        "samples_per_s": round(samples / wall, 1),
-        "test_accuracy_mean": statistics.mean(r["test_accuracy"] for r in reports),
-        "per_rank_samples": [int(r["samples"]) for r in reports],
+        "samples": sum(samples),
+        "window_s": round(sum(windows), 3),
+        "samples_per_s": round(sum(samples) / sum(windows), 1),
+        "segment_samples_per_s": [round(n / w, 1) for n, w in zip(samples, windows, strict=True)],
+        "segment_window_s": [round(w, 3) for w in windows],
+        "per_rank_samples": [
+            sum(int(reports[rank]["samples"]) for reports in segments)
+            for rank in range(len(segments[0]))
+        ],
+        "test_accuracy_mean": statistics.mean(accuracies),
     }
 
 
@@ -175,15 +183,27 @@ def timed(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     return result
 
 
-def goodput_row(task: TaskConfig, nproc: int, coordinator: CoordinatorConfig) -> dict[str, Any]:
-    """flodl, then the ceiling for as long as flodl's window: one row of the goodput table.
+def flodl_within_ceiling(
+    task: TaskConfig, nproc: int, coordinator: CoordinatorConfig, ceiling_s: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """flodl between two segments of the ceiling (each ``ceiling_s / 2`` of training, its
+    processes started and ready before the first, idle while flodl runs): (flodl, ceiling)."""
+    started = time.perf_counter()
+    with Ceiling(task, nproc) as ceiling:
+        before = ceiling.segment(ceiling_s / 2)
+        flodl = timed(run_flodl, task, nproc, coordinator)
+        after = ceiling.segment(ceiling_s / 2)
+    figures = ceiling_figures([before, after], ceiling.test_accuracy)
+    figures["process_wall_s"] = round(time.perf_counter() - started - flodl["process_wall_s"], 1)
+    return flodl, figures
 
-    The ceiling trains for flodl's window length so both are measured over windows of the
-    same length (the first steps' warm-up weighs the same on both)."""
+
+def goodput_row(
+    task: TaskConfig, nproc: int, coordinator: CoordinatorConfig, ceiling_s: float
+) -> dict[str, Any]:
+    """flodl within the ceiling (:func:`flodl_within_ceiling`): one row of the goodput table."""
     row: dict[str, Any] = {"load_before": load()}
-    row["flodl"] = timed(run_flodl, task, nproc, coordinator)
-    duration = row["flodl"]["window_s"]
-    row["ceiling"] = timed(run_ceiling_side, task, nproc, duration)
+    row["flodl"], row["ceiling"] = flodl_within_ceiling(task, nproc, coordinator, ceiling_s)
     row["load_after"] = load()
     row["goodput_vs_ceiling"] = round(
         row["flodl"]["samples_per_s"] / row["ceiling"]["samples_per_s"], 3
@@ -192,10 +212,10 @@ def goodput_row(task: TaskConfig, nproc: int, coordinator: CoordinatorConfig) ->
 
 
 def throughput(
-    task: TaskConfig, nproc: int, coordinator: CoordinatorConfig, repeats: int
+    task: TaskConfig, nproc: int, coordinator: CoordinatorConfig, repeats: int, ceiling_s: float
 ) -> dict[str, Any]:
-    """``repeats`` runs of flodl, the ceiling and DDP (DDP first every other time, the ceiling
-    always right after flodl, for flodl's window length); medians over the repeats."""
+    """``repeats`` runs of DDP and of flodl within the ceiling (DDP first every other time);
+    medians over the repeats."""
     runs: list[dict[str, Any]] = []
     for repeat in range(repeats):
         pair: dict[str, Any] = {"load_before": load()}
@@ -204,9 +224,9 @@ def throughput(
             if side == "ddp":
                 pair["ddp"] = timed(run_ddp_side, task, nproc)
             else:
-                pair["flodl"] = timed(run_flodl, task, nproc, coordinator)
-                duration = pair["flodl"]["window_s"]
-                pair["ceiling"] = timed(run_ceiling_side, task, nproc, duration)
+                pair["flodl"], pair["ceiling"] = flodl_within_ceiling(
+                    task, nproc, coordinator, ceiling_s
+                )
         pair["load_after"] = load()
         pair["speedup"] = round(pair["flodl"]["samples_per_s"] / pair["ddp"]["samples_per_s"], 3)
         pair["goodput_vs_ceiling"] = round(
@@ -278,6 +298,7 @@ def goodput_table(
     nprocs: Sequence[int],
     skews: Sequence[float],
     coordinator: CoordinatorConfig,
+    ceiling_s: float,
     done: dict[tuple[int, float], dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """Goodput against the ceiling for every ``nproc`` x ``skew`` (the last rank slowed by
@@ -288,7 +309,7 @@ def goodput_table(
             run = done.get((nproc, skew))
             if run is None:
                 task = attrs.evolve(base, slow_rank=nproc - 1, slow_factor=skew)
-                run = goodput_row(task, nproc, coordinator)
+                run = goodput_row(task, nproc, coordinator, ceiling_s)
             row = table_row(nproc, skew, run)
             rows.append(row)
             print(
@@ -338,20 +359,26 @@ def main(argv: list[str] | None = None) -> int:
         default=(1.0, 1.5, 2.5, 4.0),
         help="goodput table: how much slower the last rank is",
     )
+    parser.add_argument(
+        "--ceiling-s",
+        type=float,
+        default=10.0,
+        help="seconds the ceiling trains per row (half before the flodl run, half after)",
+    )
     args = parser.parse_args(argv)
 
     if args.quick:
         nproc, slow_rank, repeats = 2, 1, 1
         task = TaskConfig(hidden=64, batch_size=32, epochs=1, slow_rank=1)
         overhead_model = {"width": 256, "layers": 2, "reps": 3, "warmup": 1}
-        nprocs, skews = (2,), (1.0, 2.5)
+        nprocs, skews, ceiling_s = (2,), (1.0, 2.5), 1.0
     else:
         nproc, slow_rank, repeats = 4, 3, args.repeats
         task = TaskConfig(
             hidden=args.hidden, batch_size=args.batch_size, epochs=args.epochs, slow_rank=3
         )
         overhead_model = {"width": 1024, "layers": 10, "reps": args.rounds, "warmup": 2}
-        nprocs, skews = args.nprocs, args.skews
+        nprocs, skews, ceiling_s = args.nprocs, args.skews, args.ceiling_s
     coordinator = CoordinatorConfig(
         policy=Policy.CADENCE,
         anchor=args.anchor,
@@ -377,11 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         f"(b) heterogeneous throughput, {nproc} ranks, rank {slow_rank} {task.slow_factor}x slower",
         flush=True,
     )
-    hetero = throughput(task, nproc, coordinator, repeats)
+    hetero = throughput(task, nproc, coordinator, repeats, ceiling_s)
     main_run = hetero["runs"][len(hetero["runs"]) // 2]
 
     print(f"(c) goodput against the ceiling, ranks {list(nprocs)}, skews {list(skews)}")
-    table = goodput_table(task, nprocs, skews, coordinator, {(nproc, task.slow_factor): main_run})
+    done = {(nproc, task.slow_factor): main_run}
+    table = goodput_table(task, nprocs, skews, coordinator, ceiling_s, done)
 
     result: dict[str, Any] = {
         "overhead_ratio": overhead["overhead_ratio"],
@@ -436,7 +464,9 @@ def main(argv: list[str] | None = None) -> int:
             "ddp": "DistributedDataParallel(gloo), default all-reduce hook (timed), "
             "DistributedSampler-style slices of each global batch",
             "ceiling": "the same processes, model, batch size and slowdown, no communication, "
-            "all at once, each for as long as flodl's window of the same row",
+            "all at once; started and ready before the row's flodl run, they train "
+            "ceiling_s / 2 before it and ceiling_s / 2 after it",
+            "ceiling_s": ceiling_s,
             "goodput_table": {
                 "nprocs": list(nprocs),
                 "skews": list(skews),
