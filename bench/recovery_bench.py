@@ -51,6 +51,7 @@ CHAOS_RANK = HERE.parent / "tests" / "e2e" / "chaos_rank.py"
 NPROCS = (3, 8, 16)
 REFERENCE_NPROC = 3
 TRIALS_16 = 3
+EXTRA_EPOCHS = 2
 """Trials per fault at N >= 16 by default (5 at smaller N): each 16-rank run takes about 50 s
 on 2 cores, most of it the ranks' start-up, and the whole default run should stay ~12 min."""
 """The N whose figures are also the top-level keys (the bench measured only N = 3 before)."""
@@ -72,6 +73,12 @@ KINDS = (("sigkill", "kill-compute"), ("sigstop", "stop-compute"))
 
 def environment() -> dict[str, object]:
     return benchenv.environment(("torch", "trio", "flodl"))
+
+
+def epochs_at(nproc: int, epochs: int) -> int:
+    """Epochs of a run of ``nproc`` ranks: 2 more above 3 ranks, so the last rank still reaches
+    its fault point (its share of an epoch varies with the cadence) with rounds left after it."""
+    return epochs if nproc <= REFERENCE_NPROC else epochs + EXTRA_EPOCHS
 
 
 def sigstop_timeout(nproc: int) -> float:
@@ -128,8 +135,8 @@ def reformation(run_dir: Path, survivors: list[int], fault: dict[str, Any]) -> d
     """Where the survivors' time went, from their ``events.jsonl`` (seconds after the fault).
 
     The first generation after the fault's: when the first and the last survivor began to join
-    it, had joined it, and began averaging on it (``average`` events; a survivor with more than
-    one round there counts each).
+    it, had joined it, began its first average on it and completed that average (each survivor's
+    first such event counts).
     """
     origin = float(fault["unix"])
     old = fault["generation"]
@@ -148,14 +155,29 @@ def reformation(run_dir: Path, survivors: list[int], fault: dict[str, Any]) -> d
     target = min(newer)
 
     def moments(what: str) -> list[float]:
-        return [
-            float(e["unix"]) - origin
+        """Each survivor's first ``what`` event on the target generation."""
+        firsts = [
+            min(
+                (float(e["unix"]) for e in evs if e["event"] == what and e["generation"] == target),
+                default=None,
+            )
             for evs in events.values()
-            for e in evs
-            if e["event"] == what and e["generation"] == target
         ]
+        return [t - origin for t in firsts if t is not None]
 
     joins, joined, averages = moments("join"), moments("joined"), moments("average")
+    first_done = [
+        min(
+            (
+                float(r["unix"])
+                for r in read_jsonl(run_dir / "chaos" / f"rank{rank}.rounds.jsonl")
+                if r["generation"] == target
+            ),
+            default=None,
+        )
+        for rank in survivors
+    ]
+    done = [t - origin for t in first_done if t is not None]
 
     def span(values: list[float]) -> list[float] | None:
         return [round(min(values), 4), round(max(values), 4)] if values else None
@@ -165,6 +187,7 @@ def reformation(run_dir: Path, survivors: list[int], fault: dict[str, Any]) -> d
         "join_started_s": span(joins),
         "joined_s": span(joined),
         "average_started_s": span(averages),
+        "first_average_done_s": span(done),
         "survivors_joined": len(joined),
     }
 
@@ -185,7 +208,7 @@ async def trial(nproc: int, kind: str, at_batch: int, epochs: int, run_dir: Path
     config = LaunchConfig(
         script=str(CHAOS_RANK),
         script_args=(
-            f"--epochs={epochs}",
+            f"--epochs={epochs_at(nproc, epochs)}",
             f"--hidden={HIDDEN}",
             f"--fault={faulty}:{kind}:{at_batch}",
         ),
@@ -384,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     load_start = load()
+    source_start = source_state()
     runs = trio.run(run_all, nprocs, args.faults, trials, trials_16, epochs, args.keep)
     by_nproc = {str(n): summarize(n, runs[n]) for n in nprocs}
     reference = by_nproc.get(str(REFERENCE_NPROC)) or by_nproc[str(nprocs[0])]
@@ -408,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
             "trials_per_fault": {str(n): trials_at(n, trials, trials_16) for n in nprocs},
             "backend": "gloo",
             "policy": "cadence",
-            "task": f"digits MLP 64-{HIDDEN}-10, Adam lr 0.01, batch 16, {epochs} epochs",
+            "task": f"digits MLP 64-{HIDDEN}-10, Adam lr 0.01, batch 16",
+            "epochs": {str(n): epochs_at(n, epochs) for n in nprocs},
             "fault_after_batches": "round((20 + 7 i) * 3 / N) for trial i = 0, 1, ...",
             "sigkill_heartbeat_timeout_s": CoordinatorConfig().heartbeat_timeout,
             "sigstop_heartbeat_timeout_s": {str(n): sigstop_timeout(n) for n in nprocs},
@@ -419,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": {"start": load_start, "end": load()},
         "total_bench_s": round(time.perf_counter() - started, 1),
         "environment": environment(),
-        "source": source_state(),
+        "source": {"start": source_start, "end": source_state()},
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")

@@ -26,6 +26,8 @@ def test_fault_points_scale_with_the_ranks() -> None:
     assert recovery_bench.fault_batch(100, 0) == 2
     assert recovery_bench.faulty_rank(8) == 7
     assert recovery_bench.sigstop_timeout(3) == recovery_bench.SIGSTOP_HEARTBEAT_TIMEOUT_S
+    assert recovery_bench.epochs_at(3, 3) == 3
+    assert recovery_bench.epochs_at(16, 3) == 3 + recovery_bench.EXTRA_EPOCHS
     assert recovery_bench.sigstop_timeout(16) == recovery_bench.SIGSTOP_HEARTBEAT_TIMEOUT_LARGE_S
 
 
@@ -61,6 +63,8 @@ def test_recovery_and_reformation_read_the_chaos_records(tmp_path: Path) -> None
     assert breakdown["generation"] == 1
     assert breakdown["join_started_s"] == pytest.approx([0.1, 0.15])
     assert breakdown["joined_s"] == pytest.approx([0.2, 0.25])
+    assert breakdown["average_started_s"] == pytest.approx([0.2, 0.2])
+    assert breakdown["first_average_done_s"] == pytest.approx([0.3, 0.4])
     assert breakdown["survivors_joined"] == 2
     assert recovery_bench.reformation(tmp_path, [2], fault) == {"generation": None}
 
