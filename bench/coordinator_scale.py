@@ -14,21 +14,34 @@ too large to end (``Ready``: 10**9 samples, batch size 1); the machine keeps the
 goodbye) and the loop supplies time:
 
 * its batches finish on a 10 Hz grid with a random phase per rank (so the ranks do not all
-  report at once): at each grid tick the batch handed out is done (``Batch``) and the rank asks
-  its machine for the next step; when its work runs out the machine sends the ``Metrics``
+  report at once): at each grid tick the batch handed out is done and the rank asks its
+  machine for the next step; when its work runs out the machine sends the ``Metrics``
   completion frame and the rank waits for more. A batch handed out when work arrives finishes
   at the next grid tick, so it reports the time since it was handed out (under 100 ms);
+* the machine coalesces, as the worker's does: it holds its batch reports and sends them as
+  one ``Batches`` frame before anything else it sends (so a chunk's reports go just before
+  its Metrics) or in place of a heartbeat; the loop therefore runs a rank's batches (each at
+  its own grid time) only when something can be seen: a message arrives, a heartbeat is due,
+  or the work runs dry;
 * averaging takes no time (there is no backend): where the machine says ``Average`` the rank
   acks at once. A rank waiting at the barrier asks again as soon as a message wakes it, so it
   acks ``SyncNow`` on receipt; one in the middle of a batch acts on it at its next tick.
   ``RequestNewGroup`` is answered ``NewGroupReady``;
-* it sends a ``Heartbeat`` every second, on a random phase of its own.
+* its heartbeat interval is one second, on a random phase of its own: the machine then sends
+  its held reports, or a ``Heartbeat``, or nothing when another frame went out since the last.
 
-The offered load is therefore 10 Batch/s + 1 Heartbeat/s per rank (plus about one Metrics and
-one SyncAck per averaging window). Ranks that wait for the averaging barrier at the end of a
-window offer nothing meanwhile, so even an instant coordinator sees about 9 Batch/s per rank;
-a slow coordinator stretches the barrier and the rate falls further (that is the
-back-pressure a real run would feel).
+The training load is therefore 10 batches/s per rank and a heartbeat interval of 1 s, as
+before the reports were coalesced (then: 10 Batch + 1 Heartbeat frames/s per rank); the
+frames are now about one Batches per second plus, per averaging window, a Batches, a Metrics
+and a SyncAck. Ranks that wait for the averaging barrier at the end of a window train nothing
+meanwhile, so even an instant coordinator sees about 9 batch reports/s per rank; a slow
+coordinator stretches the barrier and the rate falls further (that is the back-pressure a
+real run would feel).
+
+After the measured window (split mode, 4 ranks or more) one rank is killed (its generator
+closes its socket) and the membership change is timed: ``membership_change.decision_s`` is
+the machine's ``took_s`` from the death detected (RANK_DEAD) to the next generation of the
+group committed (GROUP_REFORMED).
 
 Measurement, after a warm-up (all ranks joined, the group formed, two averaging rounds
 started), for ``--seconds`` per rank count:
@@ -44,13 +57,14 @@ started), for ``--seconds`` per rank count:
   loop's own wakes are recorded the same way (actual ``on_tick`` time minus the deadline its
   cancel scope held), though in steady state it rarely wakes.
 * The target is met when p99 of both latencies is under 50 ms and the ranks still deliver at
-  least 90% of the nominal Batch rate (9 Batch/s per rank).
-* **CPU**: ``time.process_time`` over the window divided by the messages the coordinator
-  received (``cpu_us_per_message``; in-process, ranks and coordinator share the core, so this
-  includes the ranks' own machines and encoding), and the coordinator's share: the CPU time
-  of trio task steps of ``flodl.*`` tasks (the coordinator's readers, writers, heartbeat and
-  deadline loops), measured with a trio instrument; ``machine`` is the part spent inside the
-  decision machine's calls.
+  least 90% of the nominal batch rate (9 batch reports/s per rank).
+* **CPU**: ``time.process_time`` over the window per rank per second (``cpu_us_per_rank_s``:
+  what a rank costs the coordinator, independent of how its reports are framed) and divided
+  by the messages the coordinator received (``cpu_us_per_message``; in-process, ranks and
+  coordinator share the core, so this includes the ranks' own machines and encoding), and
+  the coordinator's share: the CPU time of trio task steps of ``flodl.*`` tasks (the
+  coordinator's readers, writers, heartbeat and deadline loops), measured with a trio
+  instrument; ``machine`` is the part spent inside the decision machine's calls.
 
 The library's one-clock rule is for flodl/; this bench also reads time.perf_counter (wall),
 time.process_time and time.thread_time (CPU). The machine may be shared: other processes
@@ -816,6 +830,19 @@ class LeanRank:
                 return
 
 
+async def warm_up(recorder: Recorder, machine: CoordinatorMachine, ranks: int) -> None:
+    """Wait for the warm-up (round ``WARMUP_ROUNDS`` started); RuntimeError saying where it
+    stood after ``WARMUP_LIMIT_S``."""
+    with trio.move_on_after(WARMUP_LIMIT_S):
+        await recorder.warm.wait()
+        return
+    raise RuntimeError(
+        f"{ranks} ranks: no warm-up within {WARMUP_LIMIT_S:g} s (phase {machine.phase.value}, "
+        f"{len(machine.alive)} connected, {len(machine.members)} members, "
+        f"round {machine.cycle.round})"
+    )
+
+
 def _next_grid_tick(now: float, phase: float, period: float) -> float:
     """The first time ``phase + k * period`` (k integer) strictly after ``now``."""
     tick = phase + (math.floor((now - phase) / period) + 1) * period
@@ -914,8 +941,7 @@ async def measure(ranks: int, seconds: float, seed: int, split: CpuSplit) -> dic
                 for rank in range(ranks):
                     lean = LeanRank(rank, ranks, recorder, metronome, rng)
                     nursery.start_soon(lean.run, coord.url, KEY, rank_reader)
-                with trio.fail_after(WARMUP_LIMIT_S):
-                    await recorder.warm.wait()
+                await warm_up(recorder, coord.machine, ranks)
                 warm_at = trio.current_time()
                 cpu_before, wall_before = time.process_time(), time.perf_counter()
                 split_before = split.snapshot()
@@ -1137,8 +1163,7 @@ async def measure_split(
                     async with open_generators(
                         coord.url, ranks, seed, generators, plan.generators
                     ) as children:
-                        with trio.fail_after(WARMUP_LIMIT_S):
-                            await recorder.warm.wait()
+                        await warm_up(recorder, machine, ranks)
                         warm_at = trio.current_time()
                         # The generators' windows open first (a pipe write each), so that the
                         # acks of the round whose start ended the warm-up fall in both windows.

@@ -40,6 +40,11 @@ class _Tally:
     delivered_ms: float = 0.0
     chunk_reports: int = 0
 
+    def reset(self) -> None:
+        """Back to an empty window (in place: no allocation per rank per round)."""
+        self.batches = self.chunk_reports = 0
+        self.fill_ms = self.compute_ms = self.delivered_ms = 0.0
+
 
 class Dispatch:
     """The run's work and the window of it in progress (module docstring).
@@ -71,7 +76,8 @@ class Dispatch:
 
     def new_window(self) -> None:
         """A round started: the tallies start again and nothing is awaited."""
-        self._tallies = [_Tally() for _ in range(self._world_size)]
+        for tally in self._tallies:
+            tally.reset()
         self._awaiting_completion.clear()
         self._filling.clear()
 
