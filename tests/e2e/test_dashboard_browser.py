@@ -52,7 +52,8 @@ def flodl_run(run_dir: Path) -> Iterator[tuple[subprocess.Popen[str], str, list[
     interrupted if still going, and killed with its session if that did not end it."""
     argv = [sys.executable, "-m", "flodl.cli", "run", "--nproc", "3", "--no-live"]
     argv += ["--dashboard", "127.0.0.1:0", "--run-dir", str(run_dir), str(DIGITS)]
-    argv += ["--epochs", "40", "--slow", "2:2"]
+    # Long enough to outlast a slow browser start on a busy machine; the test stops it.
+    argv += ["--epochs", "400", "--slow", "2:2"]
     process = subprocess.Popen(
         argv,
         cwd=run_dir.parent,
@@ -161,8 +162,10 @@ def test_the_page_shows_every_rank_and_rounds_going_up(tmp_path: Path) -> None:
                 shutil.copyfile(shot, SCREENSHOT)
         finally:
             driver.quit()
+        process.send_signal(signal.SIGINT)  # every rank saves and stops: exit status 0
         process.wait(120)
         assert process.returncode == 0, "\n".join(lines)
+        assert "flodl: run saved (saved: GRACEFUL)" in lines, "\n".join(lines)
     summary = (run_dir / "summary.json").read_text()
     pids = [int(p) for p in re.findall(r'"pid": (\d+)', summary)]
     assert len(pids) == 3
