@@ -155,14 +155,14 @@ HEARTBEAT_PERIOD_S = 1.0
 DATASET_SIZE = 10**9
 """Samples per epoch: far more than a run of minutes can consume, so the run never ends."""
 TARGET_P99_S = 0.050
-TARGET_RANKS = 1024
+TARGET_RANKS = 4096
 MIN_BATCH_RATE_SHARE = 0.9
 """The target also needs >= 90% of the nominal Batch rate: a coordinator that only keeps its
 latency low by slowing every window down does not sustain the load."""
 PROBE_AHEAD_S = 0.050
 WARMUP_ROUNDS = 2
 WARMUP_LIMIT_S = 120.0
-DEFAULT_COUNTS = (64, 128, 256, 512, 1024, 1536, 2048)
+DEFAULT_COUNTS = (64, 128, 256, 512, 1024, 1536, 2048, 4096)
 QUICK_COUNTS = (16, 64)
 
 INPROCESS_LATENCY = (

@@ -131,8 +131,10 @@ async def test_a_simulated_rank_is_its_machine_on_the_grid() -> None:
     batches, ack = loop.tick(first)
     assert isinstance(batches, Batches) and isinstance(ack, SyncAck)
     assert (batches.step_count, len(batches.batch_ms), ack.round, ack.step_count) == (2, 1, 2, 3)
-    # The work runs dry: the last report and the chunk's Metrics, then the rank waits.
-    batches, metrics = loop.tick(first + 0.1)
+    # The work runs dry: the last report and the chunk's Metrics, then the rank waits (woken
+    # at the last batch's own grid time, which float rounding may put just past first + 0.1).
+    assert ticks[-1] == pytest.approx(first + 0.1)
+    batches, metrics = loop.tick(ticks[-1])
     assert isinstance(batches, Batches) and batches.batch_ms == pytest.approx((100.0,))
     assert isinstance(metrics, Metrics) and metrics.batches_processed == 2
     # Frames went out since the last beat: this one is skipped, the next is a Heartbeat.
