@@ -8,6 +8,11 @@ no coordinator, no collective. What they train together per second is what ``wor
 processes of these speeds can train on this machine, the figure a data-parallel run is set
 against (``goodput_vs_ceiling``).
 
+Every rank is a process in a session of its own, as ``flodl run`` starts its ranks: with the
+kernel's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``) a session is a
+scheduling group, so ranks in one session would share one group's CPU against the machine's
+other work, where flodl's ranks get one each.
+
 Start-up is kept out of the window the same way as on the flodl and DDP sides: every process
 imports torch, loads the data and builds its model, then says ``ready`` and waits. Training
 happens in *segments*: the parent hands every rank one shared deadline and they train until
@@ -103,6 +108,7 @@ class Ceiling:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
+                    start_new_session=True,
                 )
             )
         try:

@@ -118,7 +118,18 @@ def run_ddp(task: TaskConfig, world: int = 4, timeout: float = 300.0) -> list[di
     store = TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as tmp:
         out = Path(tmp)
-        command = [sys.executable, str(HERE), "--world", str(world), "--port", str(store.port)]
+        # setsid: each rank in a session of its own, as flodl's launcher starts its ranks (with
+        # autogroup scheduling a session is a scheduling group; one shared by all ranks would
+        # get one group's CPU against the machine's other work, flodl's ranks one each).
+        command = [
+            "setsid",
+            sys.executable,
+            str(HERE),
+            "--world",
+            str(world),
+            "--port",
+            str(store.port),
+        ]
         commands = [
             [*command, "--rank", str(r), "--out", str(out), *task.args()] for r in range(world)
         ]
