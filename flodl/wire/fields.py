@@ -173,13 +173,16 @@ def u64_list() -> Any:
     return attrs.field(factory=tuple, converter=convert, validator=check)
 
 
+def _float_tuple(value: object) -> object:
+    """A list or tuple as a tuple, its ints widened to floats; anything else as it is (the
+    validator then says what is wrong with it)."""
+    if type(value) is list or type(value) is tuple:
+        return tuple(float(v) if type(v) is int else v for v in value)
+    return value
+
+
 def f64_list() -> Any:
     """A list of floats of bounded length, stored as a tuple; ints are widened."""
-
-    def convert(value: object) -> object:
-        if type(value) is list or type(value) is tuple:
-            return tuple(float(v) if type(v) is int else v for v in value)
-        return value
 
     def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if type(value) is not tuple or len(value) > MAX_ITEMS:
@@ -188,17 +191,12 @@ def f64_list() -> Any:
             if type(item) is not float:
                 raise _fail(attribute, "a list of floats", value)
 
-    return attrs.field(factory=tuple, converter=convert, validator=check)
+    return attrs.field(factory=tuple, converter=_float_tuple, validator=check)
 
 
 def duration_list() -> Any:
     """A list of finite, non-negative floats (measured times) of bounded length, stored as a
     tuple; ints are widened."""
-
-    def convert(value: object) -> object:
-        if type(value) is list or type(value) is tuple:
-            return tuple(float(v) if type(v) is int else v for v in value)
-        return value
 
     def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if type(value) is not tuple or len(value) > MAX_ITEMS:
@@ -207,7 +205,7 @@ def duration_list() -> Any:
             if type(item) is not float or not (item >= 0.0 and math.isfinite(item)):
                 raise _fail(attribute, "a list of finite floats >= 0", value)
 
-    return attrs.field(converter=convert, validator=check)
+    return attrs.field(converter=_float_tuple, validator=check)
 
 
 def scalar_map() -> Any:
