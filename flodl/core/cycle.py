@@ -244,6 +244,19 @@ class Cycle:
             self._steps[rank] += 1
         return False
 
+    def on_batches(self, rank: int, count: int, step_count: int) -> None:
+        """Count ``count`` finished batches of ``rank`` at once, the last at ``step_count``:
+        the state :meth:`on_batch` leaves after each of them in turn."""
+        self._check_rank(rank)
+        self._last_step_count[rank] = step_count
+        if rank in self._members:
+            self._steps[rank] += count
+
+    @property
+    def throttling(self) -> bool:
+        """Ranks too far ahead are throttled (``max_batch_diff`` is set)."""
+        return self._max_batch_diff is not None
+
     def on_sync_ack(self, now: float, ack: SyncAck) -> bool:
         """Take ``ack`` into account; True when it settled the round.
 

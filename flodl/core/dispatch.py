@@ -115,6 +115,39 @@ class Dispatch:
         self._filling.discard(rank)
         return True
 
+    def on_batches(
+        self,
+        rank: int,
+        batches_ms: Sequence[float],
+        data_ms: Sequence[float],
+        losses: Sequence[float],
+        now: float,
+    ) -> None:
+        """:meth:`on_batch` for several finished batches of ``rank`` (oldest first), none of
+        them its last: the caller checked that the rank holds more than ``len(batches_ms)``
+        (:meth:`in_flight`)."""
+        assert self.work is not None
+        tally = self._tallies[rank]
+        walls = [batch + data for batch, data in zip(batches_ms, data_ms, strict=True)]
+        compute_ms = tally.compute_ms
+        first = 0
+        if tally.batches == 0:
+            tally.fill_ms = walls[0]
+            first = 1
+        for batch_ms in batches_ms[first:]:  # in order: the same float sum as one at a time
+            compute_ms += batch_ms
+        tally.compute_ms = compute_ms
+        tally.batches += len(walls)
+        self._idle_fill.on_batches(rank, now, walls)
+        taken = 0
+        for epoch, count in self.work.complete_many(rank, len(walls)):
+            self._epochs.on_batches(epoch, losses[taken : taken + count])
+            taken += count
+
+    def in_flight(self, rank: int) -> int:
+        """Batches ``rank`` was handed and has not reported, over every epoch."""
+        return 0 if self.work is None else self.work.in_flight(rank)
+
     def on_completion(self, rank: int, metrics: Metrics) -> None:
         """A member's completion frame for the chunk it just finished."""
         tally = self._tallies[rank]

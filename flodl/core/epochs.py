@@ -45,6 +45,17 @@ class EpochTallies:
         tally.loss_sum += loss if math.isfinite(loss) else 0.0
         tally.batches += 1
 
+    def on_batches(self, epoch: int, losses: Sequence[float]) -> None:
+        """:meth:`on_batch` for each of ``losses``, in order."""
+        tally = self._of(epoch)
+        isfinite = math.isfinite
+        # One running sum in the same order as on_batch's, so the float result is the same.
+        loss_sum = tally.loss_sum
+        for loss in losses:
+            loss_sum += loss if isfinite(loss) else 0.0
+        tally.loss_sum = loss_sum
+        tally.batches += len(losses)
+
     def on_metrics(self, rank: int, metrics: Metrics) -> None:
         """``rank``'s completion frame: its chunk's wall time and scalars."""
         tally = self._of(metrics.epoch)

@@ -96,6 +96,23 @@ class IdleFill:
         if slowest is None or batch_ms > self._pace[slowest]:
             self._slowest = rank
 
+    def on_batches(self, rank: int, now: float, batches_ms: Sequence[float]) -> None:
+        """:meth:`on_batch` for each of ``batches_ms`` (at least one), in order, all at ``now``.
+
+        The same state in one step: once ``rank`` is the slowest it stays so (its own pace is
+        what it is compared with), and before that it becomes so as soon as one of its batches
+        took longer than the slowest's pace.
+        """
+        self._last_report[rank] = now
+        if self._by_span:
+            return
+        if rank not in self._pace and rank < len(self._plan) and self._plan[rank] > 0:
+            self._unreported -= 1
+        slowest = self._slowest
+        if slowest is None or (slowest != rank and max(batches_ms) > self._pace[slowest]):
+            self._slowest = rank
+        self._pace[rank] = batches_ms[-1]
+
     def extra_batches(
         self,
         rank: int,

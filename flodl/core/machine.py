@@ -479,12 +479,31 @@ class CoordinatorMachine:
 
     def _on_batches(self, rank: int, batches: Batches, now: float) -> list[Effect]:
         """Coalesced reports: each entry is taken as its own ``Batch``, in order, all at
-        ``now``, so every decision is the one a burst of those reports would give."""
+        ``now``, so every decision is the one a burst of those reports would give.
+
+        Runs of entries that cannot lead to a decision (:meth:`Rounds.quiet_reports`) are
+        taken in one step; only the others go through :meth:`_on_batch` one by one, so a
+        frame costs about as much as one report, however many it carries.
+        """
         effects: list[Effect] = []
-        for batch in batches.reports():
-            effects += self._on_batch(rank, batch, now)
-            if self.finished:
-                break  # the run ended on one of them: the rest would be ignored anyway
+        stats = self.stats[rank]
+        total = len(batches.batch_ms)
+        if rank not in self.membership.member_set or self.rounds.dispatch.work is None:
+            stats.batches += total  # not training with the group: only counted
+            stats.last_loss = batches.batch_loss[-1]
+            return effects
+        index = 0
+        while index < total and not self.finished:
+            # (when the run ended on one of them, the rest would be ignored anyway)
+            quiet = self.rounds.quiet_reports(rank, total - index)
+            if quiet:
+                self.rounds.absorb(rank, batches, index, quiet, now)
+                index += quiet
+                stats.batches += quiet
+                stats.last_loss = batches.batch_loss[index - 1]
+                continue
+            effects += self._on_batch(rank, batches.report(index), now)
+            index += 1
         return effects
 
     def _on_metrics(self, rank: int, metrics: Metrics, now: float) -> list[Effect]:

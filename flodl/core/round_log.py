@@ -65,6 +65,16 @@ class RoundLog:
         facts.compute_ms += wall_ms
         facts.last_report = now
 
+    def on_batches(self, rank: int, walls_ms: Sequence[float], now: float) -> None:
+        """:meth:`on_batch` for each of ``walls_ms``, in order, all at ``now``."""
+        facts = self._of(rank)
+        facts.batches += len(walls_ms)
+        compute_ms = facts.compute_ms
+        for wall_ms in walls_ms:  # in order: the same float sum as one report at a time
+            compute_ms += wall_ms
+        facts.compute_ms = compute_ms
+        facts.last_report = now
+
     def on_report(self, rank: int, now: float) -> None:
         """A completion frame or other end-of-work report from ``rank``."""
         self._of(rank).last_report = now

@@ -34,7 +34,7 @@ from flodl.core.round_log import RoundLog
 from flodl.core.saves import SaveSchedule
 from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
-from flodl.wire.messages import Batch, CheckpointResult, Metrics, SyncAck
+from flodl.wire.messages import Batch, Batches, CheckpointResult, Metrics, SyncAck
 
 __all__ = ["BatchSeen", "Due", "ResumeState", "Rounds"]
 
@@ -214,6 +214,28 @@ class Rounds:
             out_of_work or bool(throttles) or self.cycle.steps_of(rank) >= self.dispatch.plan[rank]
         )
         return BatchSeen(throttles, out_of_work, may_be_due)
+
+    def quiet_reports(self, rank: int, limit: int) -> int:
+        """How many of member ``rank``'s next ``limit`` batch reports would each leave
+        :meth:`on_batch` with nothing to do: no throttle, work left after it, and the rank
+        still short of its planned count (so the round cannot become due on them)."""
+        if self.cycle.throttling:
+            return 0
+        short = self.dispatch.plan[rank] - self.cycle.steps_of(rank) - 1
+        left = self.dispatch.in_flight(rank) - 1
+        return max(0, min(limit, short, left))
+
+    def absorb(self, rank: int, batches: Batches, start: int, count: int, now: float) -> None:
+        """Take entries ``start`` to ``start + count`` of ``batches`` as :meth:`on_batch`
+        would one by one; they must be quiet (:meth:`quiet_reports`)."""
+        stop = start + count
+        batches_ms = batches.batch_ms[start:stop]
+        data_ms = batches.data_ms[start:stop]
+        self.dispatch.on_batches(rank, batches_ms, data_ms, batches.batch_loss[start:stop], now)
+        walls = [batch + data for batch, data in zip(batches_ms, data_ms, strict=True)]
+        self.log.on_batches(rank, walls, now)
+        step_count = batches.step_count - len(batches.batch_ms) + stop
+        self.cycle.on_batches(rank, count, step_count)
 
     def fill(self, rank: int, now: float) -> list[Effect]:
         """Cadence: the batches ``rank``, out of work before the round triggered, gets now."""

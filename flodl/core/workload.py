@@ -136,6 +136,25 @@ class Workload:
             left += in_flight
         return credited, left
 
+    def complete_many(self, rank: int, batches: int) -> list[tuple[int, int]]:
+        """Credit ``batches`` finished batches of ``rank`` as :meth:`complete` would one by
+        one, oldest epoch first; ``batches`` must not exceed :meth:`in_flight`.
+
+        Returns each epoch credited and how many of the batches it took, in order.
+        """
+        credited: list[tuple[int, int]] = []
+        for pool in self._pools:
+            if batches == 0:
+                break
+            ledger = pool.ledger
+            take = min(batches, ledger.in_flight(rank))
+            if take > 0:
+                ledger.complete(rank, take)
+                credited.append((pool.epoch, take))
+                batches -= take
+        assert batches == 0, "complete_many: more batches than the rank holds"
+        return credited
+
     def reassign(self, dead: int, survivors: Sequence[int]) -> list[tuple[int, ExtendPartition]]:
         """Split ``dead``'s unfinished batches of every epoch among ``survivors``."""
         sends: list[tuple[int, ExtendPartition]] = []

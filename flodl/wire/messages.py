@@ -374,6 +374,16 @@ class Batches(Message):
                 f"got {self.step_count}"
             )
 
+    def report(self, index: int) -> Batch:
+        """The ``Batch`` report of entry ``index`` (0: the oldest)."""
+        return Batch(
+            self.rank,
+            self.batch_ms[index],
+            self.data_ms[index],
+            self.step_count - len(self.batch_ms) + 1 + index,
+            self.batch_loss[index],
+        )
+
     def reports(self) -> list[Batch]:
         """The ``Batch`` report of each entry, oldest first."""
         first = self.step_count - len(self.batch_ms) + 1

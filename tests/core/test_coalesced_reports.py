@@ -145,6 +145,7 @@ class CoSim:
     world: int
     coalesce: bool
     seed: int = 7
+    job: Job = JOB
     now: float = 0.0
     coordinator: CoordinatorMachine = attrs.field(init=False)
     ranks: list[RankMachine] = attrs.field(init=False)
@@ -174,7 +175,7 @@ class CoSim:
         for rank in range(self.world):
             self._perform(self.coordinator.on_connect(rank, 0.0))
         for rank, machine in enumerate(self.ranks):
-            self._to_coordinator(rank, sends(machine.announce(JOB)))
+            self._to_coordinator(rank, sends(machine.announce(self.job)))
             machine.enter_boundary(0.0)
             self._boundary(rank)
         while self._queue and self._queue[0][0] <= until and not self.coordinator.finished:
@@ -280,3 +281,58 @@ def test_with_the_idle_fill_a_coalescing_world_still_trains_every_batch_once() -
         assert sim.coordinator.finished
         assert sum(s.batches for s in sim.coordinator.stats) == JOB.epochs * 120
     assert abs(plain.coordinator.cycle.round - coalesced.coordinator.cycle.round) <= 1
+
+
+@attrs.define
+class RecordingSim(CoSim):
+    """A CoSim that records every message the coordinator got, with its rank and time."""
+
+    fed: list[tuple[int, Message, float]] = attrs.Factory(list)
+
+    def _to_coordinator(self, rank: int, messages: list[Message]) -> None:
+        self.fed += [(rank, message, self.now) for message in messages]
+        super()._to_coordinator(rank, messages)
+
+
+def coordinator_state(machine: CoordinatorMachine) -> object:
+    return (
+        machine.cycle.round,
+        machine.cycle.global_step,
+        [machine.cycle.steps_of(rank) for rank in range(machine.world_size)],
+        machine.elche.state(),
+        [(s.batches, s.syncs, s.last_loss) for s in machine.stats],
+        machine.epoch_results,
+        machine.rounds.dispatch.plan,
+        machine.finished,
+    )
+
+
+def test_a_batches_frame_decides_exactly_as_its_reports_one_by_one() -> None:
+    # The coordinator takes quiet runs of a Batches frame in one step: replaying a coalescing
+    # run's frames with every Batches split into its Batch reports (same times) must give the
+    # very same effects, call by call, and the same state, idle fill, epochs and all.
+    sim = RecordingSim(6, True, seed=3, job=Job(dataset_size=3000, batch_size=2, epochs=3))
+    sim.run(600.0)
+    assert sim.coordinator.finished and sim.coordinator.cycle.round > 20
+    bulk = CoordinatorMachine(6, CoordinatorConfig().machine_settings(), now=0.0)
+    single = CoordinatorMachine(6, CoordinatorConfig().machine_settings(), now=0.0)
+    for rank in range(6):
+        assert bulk.on_connect(rank, 0.0) == single.on_connect(rank, 0.0)
+    coalesced = 0
+    for rank, message, now in sim.fed:
+        got = bulk.on_message(rank, message, now)
+        if isinstance(message, Batches):
+            coalesced += len(message.batch_ms) > 1
+            want: list[Effect] = []
+            for report in message.reports():
+                want += single.on_message(rank, report, now)
+        else:
+            want = single.on_message(rank, message, now)
+        assert got == want, (rank, message, now)
+        # The window's tallies, fill batch and compute time apart, as ElChe will read them.
+        ranks, every = range(6), [1] * 6
+        tallies = bulk.rounds.dispatch.reports(ranks, every, delivered=False)
+        assert tallies == single.rounds.dispatch.reports(ranks, every, delivered=False)
+    assert coalesced > 50
+    assert coordinator_state(bulk) == coordinator_state(single)
+    assert list(bulk.timeline) == list(single.timeline)  # the rounds' records (SyncEnd) too
