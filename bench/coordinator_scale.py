@@ -929,7 +929,9 @@ async def measure(ranks: int, seconds: float, seed: int, split: CpuSplit) -> dic
     load_before = os.getloadavg()[0]
     started = trio.current_time()
     with trio.CancelScope() as everything:
-        async with open_coordinator(url, ranks, KEY, CoordinatorConfig(), linger=0.0) as coord:
+        async with open_coordinator(
+            url, ranks, KEY, CoordinatorConfig(), linger=0.0, freeze_heap=True
+        ) as coord:
             machine = coord.machine
             instrument_machine(machine, recorder)
             async with trio.open_nursery() as nursery:
@@ -1155,7 +1157,9 @@ async def measure_split(
         url = f"unix://{folder}/coordinator.sock" if transport == "unix" else "tcp://127.0.0.1:0"
         started = trio.current_time()
         with trio.CancelScope() as everything:
-            async with open_coordinator(url, ranks, KEY, CoordinatorConfig(), linger=0.0) as coord:
+            async with open_coordinator(
+                url, ranks, KEY, CoordinatorConfig(), linger=0.0, freeze_heap=True
+            ) as coord:
                 machine = coord.machine
                 instrument_machine(machine, recorder)
                 async with trio.open_nursery() as nursery:

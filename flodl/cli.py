@@ -469,7 +469,13 @@ def _coordinator(args: argparse.Namespace) -> int:
 
     async def serve() -> tuple[str, int]:
         async with open_coordinator(
-            args.listen, args.world_size, key, config, local_ranks=frozenset(), seed=args.seed
+            args.listen,
+            args.world_size,
+            key,
+            config,
+            local_ranks=frozenset(),
+            seed=args.seed,
+            freeze_heap=True,  # this process exists to coordinate (see flodl.coordinator)
         ) as coordinator:
             clocks = (time.time(), trio.current_time())
             print(f"flodl coordinator listening on {coordinator.url}", flush=True)

@@ -294,6 +294,7 @@ async def _launch(
         seed=config.seed,
         linger=config.exit_grace,
         resume=None if plan is None else plan.state,
+        freeze_heap=True,  # this process exists to coordinate (see flodl.coordinator)
     ) as coordinator:
         # Both clocks read together, so timeline times map onto unix times exactly.
         trio_start, clock_unix = trio.current_time(), time.time()

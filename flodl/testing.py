@@ -395,6 +395,7 @@ async def open_cluster(
     key: bytes = TEST_KEY,
     seed: int = 0,
     url: str | None = None,
+    freeze_heap: bool = False,
 ) -> AsyncIterator[Cluster]:
     """A coordinator at ``url`` (default: a fresh ``memory://`` name; ``unix://`` and
     ``tcp://127.0.0.1:0`` run the ranks over real sockets) with one scripted rank per script.
@@ -406,7 +407,10 @@ async def open_cluster(
     url = url if url is not None else f"memory://flodl-cluster-{next(_names)}"
     world_size = len(scripts)
     started_at = trio.current_time()
-    async with open_coordinator(url, world_size, key, config, seed=seed, linger=0.0) as coord:
+    coordinating = open_coordinator(
+        url, world_size, key, config, seed=seed, linger=0.0, freeze_heap=freeze_heap
+    )
+    async with coordinating as coord:
         groups = _Groups()
         ranks = [ScriptedRank(r, world_size, s, groups) for r, s in enumerate(scripts)]
         cluster = Cluster(coord, ranks, coord.url, started_at)

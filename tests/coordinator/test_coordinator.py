@@ -6,6 +6,7 @@ trio's mock clock, so heartbeat timeouts of 10 s and stall ceilings of 300 s tak
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections import Counter
 
@@ -443,3 +444,17 @@ async def test_relax_up_grows_the_anchor_by_one_per_stable_round(
     # Round 1 aligns the parameters and closes no window; each later one judges the window
     # it closes as it starts.
     assert anchor == (10 + rounds - 1 if relax_up else 10)
+
+
+@pytest.mark.parametrize("freeze_heap", [False, True])
+async def test_a_coordinator_that_owns_its_process_freezes_the_heap_while_training(
+    autojump_clock: MockClock, freeze_heap: bool
+) -> None:
+    assert gc.get_freeze_count() == 0
+    frozen: list[int] = []
+    async with open_cluster(fast(2), dataset_size=400, freeze_heap=freeze_heap) as cluster:
+        await cluster.coordinator.wait_finished()
+        frozen.append(gc.get_freeze_count())
+        assert cluster.coordinator.heap_frozen is freeze_heap
+    assert (frozen[0] > 0) is freeze_heap
+    assert gc.get_freeze_count() == 0  # unfrozen when the coordinator closed
