@@ -8,7 +8,10 @@ bytes and time into it and carries its effects out. One nursery owns every task:
   slow rank never blocks a broadcast to the others. What the machine sends is queued per
   rank and, once the effects of an event are carried out, written straight to each stream
   that takes it without waiting (one step for a whole broadcast rather than a task wake-up
-  per rank); the writer only sends what a stream could not take at once;
+  per rank); the writer only sends what a stream could not take at once. Beyond
+  :data:`FLUSH_CHUNK` ranks the rest is written by the flush task, a chunk per scheduler
+  step, so that what ranks send meanwhile (a round start's acks) is read between chunks
+  rather than behind thousands of writes;
 * reading: ranks are read by one shared
   :class:`~flodl.transports.channel_reader.ChannelReader` per kind of stream, started with
   the first rank it serves (:func:`~flodl.transports.readers.reader_for` says which kind
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 
@@ -105,6 +109,10 @@ ABORT_GRACE = 1.0
 HEARTBEAT_SLOTS = 16
 """The heartbeat interval is cut into this many slots; each rank beats in one of them."""
 
+FLUSH_CHUNK = 256
+"""Links written in one scheduler step (a few ms of writes); a round start's writes to more
+ranks are spread over steps (:meth:`Coordinator.flush_loop`)."""
+
 
 @attrs.define(eq=False)
 class _RankLink:
@@ -147,6 +155,9 @@ class Coordinator:
         self._link_closed = trio.Event()
         self._dirty: list[_RankLink] = []
         """Links with pending messages, to be written once the current effects are done."""
+        self._backlog: deque[_RankLink] = deque()
+        """Links left for the flush task (:meth:`flush_loop`), in the order they were dirty."""
+        self._backlog_wake = trio.Event()
         self.rank_errors: list[tuple[int | None, BaseException]] = []
         """Every connection that ended in an error, in order (rank None: before the handshake)."""
         self._tasks: trio.Nursery | None = None
@@ -470,9 +481,33 @@ class Coordinator:
         pending.append(message)
 
     def _flush(self) -> None:
-        """Write each queued link's messages now where its stream takes them without waiting;
-        hand the rest to the link's writer task. Never waits."""
+        """Write each queued link's messages now where its stream takes them without waiting
+        (the first :data:`FLUSH_CHUNK` links; the flush task writes the others), and hand the
+        rest to the link's writer task. Never waits."""
         dirty, self._dirty = self._dirty, []
+        if self._backlog:
+            # The flush task is still writing: these go behind, so ranks are written in the
+            # order their messages were decided.
+            self._backlog.extend(dirty)
+            return
+        if len(dirty) > FLUSH_CHUNK:
+            self._backlog.extend(dirty[FLUSH_CHUNK:])
+            self._backlog_wake.set()
+            dirty = dirty[:FLUSH_CHUNK]
+        self._write_now(dirty)
+
+    async def flush_loop(self) -> None:
+        """Write the links :meth:`_flush` left, :data:`FLUSH_CHUNK` per scheduler step."""
+        while True:
+            await self._backlog_wake.wait()
+            self._backlog_wake = trio.Event()
+            while self._backlog:
+                await trio.lowlevel.checkpoint()  # what was read meanwhile goes first
+                backlog = self._backlog
+                chunk = [backlog.popleft() for _ in range(min(FLUSH_CHUNK, len(backlog)))]
+                self._write_now(chunk)
+
+    def _write_now(self, dirty: Iterable[_RankLink]) -> None:
         for link in dirty:
             if link.closed or link.writer_busy or not link.pending:
                 continue  # the writer sends what is pending once it is done
@@ -530,6 +565,7 @@ async def open_coordinator(
             coordinator._tasks = nursery
             nursery.start_soon(coordinator.deadline_loop)
             nursery.start_soon(coordinator.heartbeat_loop)
+            nursery.start_soon(coordinator.flush_loop)
             await nursery.start(
                 _serve,
                 listener,

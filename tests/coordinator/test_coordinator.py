@@ -15,6 +15,7 @@ import trio
 from trio.testing import MockClock
 
 from flodl.config import CoordinatorConfig, MaxFailure
+from flodl.coordinator import FLUSH_CHUNK
 from flodl.core.machine import Status
 from flodl.core.timeline import EventKind
 from flodl.errors import BrokenChannel, ChannelClosed, ProtocolError
@@ -458,3 +459,19 @@ async def test_a_coordinator_that_owns_its_process_freezes_the_heap_while_traini
         assert cluster.coordinator.heap_frozen is freeze_heap
     assert (frozen[0] > 0) is freeze_heap
     assert gc.get_freeze_count() == 0  # unfrozen when the coordinator closed
+
+
+async def test_a_world_larger_than_a_flush_chunk_gets_every_message_in_order(
+    autojump_clock: MockClock,
+) -> None:
+    # Round starts to more than FLUSH_CHUNK ranks are written over several scheduler steps by
+    # the flush task; every rank must still get its work, SyncNow and Shutdown, in order.
+    world = FLUSH_CHUNK + 44
+    async with open_cluster(fast(world), dataset_size=world * 40, batch_size=2) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.status is Status.COMPLETED
+    samples = Counter(s for rank in cluster.ranks for s in rank.record.samples)
+    assert len(samples) == world * 40 and set(samples.values()) == {1}
+    assert all(isinstance(rank.record.ended_by, Shutdown) for rank in cluster.ranks)
+    assert cluster.coordinator.machine.cycle.round >= 3
