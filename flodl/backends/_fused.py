@@ -74,3 +74,22 @@ def gap(average: Any, source: Any) -> tuple[float, float]:
         diff += d
         post += s
     return diff, post
+
+
+@_jit
+def gap_sampled(average: Any, source: Any, phase: int, block: int, every: int) -> Any:
+    """As :func:`gap`, over the blocks ``[j * every - phase, + block)`` only (clipped to the
+    arrays); returns ``(diff, post, elements read)``."""
+    n = average.shape[0]
+    diff, post, count = 0.0, 0.0, 0
+    start = -phase
+    while start < n:
+        lo = max(start, 0)
+        hi = min(start + block, n)
+        if lo < hi:
+            d, s = _gap_block(average[lo:hi], source[lo:hi])
+            diff += d
+            post += s
+            count += hi - lo
+        start += every
+    return diff, post, count

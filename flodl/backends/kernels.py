@@ -40,6 +40,7 @@ class _Loops:
 
     share: Callable[[Any, Any, float], float]
     gap: Callable[[Any, Any], tuple[float, float]]
+    gap_sampled: Callable[[Any, Any, int, int, int], tuple[float, float, int]]
 
 
 _lock = threading.Lock()
@@ -82,10 +83,11 @@ def _load() -> _Loops | None:
             piece = torch.ones(2, dtype=dtype).numpy()
             _fused.share(piece, piece.copy(), 1.0)
             _fused.gap(piece, piece.copy())
+            _fused.gap_sampled(piece, piece.copy(), 0, 1, 2)
     except Exception as err:
         _warn_unusable(err)
         return None
-    return _Loops(share=_fused.share, gap=_fused.gap)
+    return _Loops(share=_fused.share, gap=_fused.gap, gap_sampled=_fused.gap_sampled)
 
 
 def _warn_unusable(err: Exception) -> None:
@@ -130,14 +132,61 @@ def share_piece(source: torch.Tensor, out: torch.Tensor, factor: float) -> float
     return squared_norm(flat_source)
 
 
+@attrs.frozen
+class NormSample:
+    """Which elements the divergence norms read: in each parameter piece of at least
+    ``whole_below`` elements, the blocks of ``block`` elements that start at the flat indices
+    ``0, every, 2 * every, ...`` (a fixed set, the same every round and on every rank); the
+    squares read are scaled by ``piece length / elements read``. Smaller pieces (biases,
+    norms' weights) are read whole. The default reads 1/16 of the large tensors.
+
+    An estimate, not a bound: a fixed sample has no worst case better than missing all the
+    drift (it could lie only between the blocks). Blocks of 1024 (4 KiB of float32, whole
+    pages for the prefetcher) keep the cost at about the read fraction; see
+    docs/benchmarks.md (a) for the error measured against the exact norms."""
+
+    block: int = 1024
+    every: int = 16 * 1024
+    whole_below: int = 4 * 16 * 1024
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 < self.block <= self.every or self.whole_below < 0:
+            raise ValueError(f"bad norm sample {self!r}")
+
+    def takes(self, length: int) -> bool:
+        """Whether a piece of ``length`` elements is sampled (else read whole)."""
+        return length >= max(self.whole_below, 1) and self.block < self.every
+
+    def spans(self, start: int, length: int) -> list[tuple[int, int]]:
+        """The sampled ``(lo, hi)`` of a piece at flat index ``start`` (piece-relative)."""
+        out = []
+        lo = -(start % self.every)
+        while lo < length:
+            a, b = max(lo, 0), min(lo + self.block, length)
+            if a < b:
+                out.append((a, b))
+            lo += self.every
+        return out
+
+
 @torch.no_grad()
 def gap_piece(
-    average: torch.Tensor, source: torch.Tensor, spare: torch.Tensor
+    average: torch.Tensor,
+    source: torch.Tensor,
+    spare: torch.Tensor,
+    sample: NormSample | None = None,
+    start: int = 0,
 ) -> tuple[float, float] | list[torch.Tensor]:
     """``||average - source||^2`` and ``||average||^2`` for one landed piece (``average`` 1-D;
     neither is written). A tuple of floats from the compiled loop, else the torch path's
     0-d tensors ``[diff, post]`` (a ``spare``-sized block at a time, so the subtraction and
-    the norms read blocks already in cache)."""
+    the norms read blocks already in cache).
+
+    With ``sample`` (and a piece it :meth:`~NormSample.takes`; ``start``: the piece's flat
+    index) both are estimates from the sampled blocks, scaled up; both paths read the same
+    elements."""
+    if sample is not None and sample.takes(average.numel()):
+        return _sampled_gap(average, source, spare, sample, start)
     loops = _loaded_loops()
     if loops is not None and takes_fused(average, source):
         return loops.gap(average.numpy(), source.detach().numpy())
@@ -158,3 +207,35 @@ def _sum(squares: list[torch.Tensor]) -> torch.Tensor:
     if not squares:
         return torch.zeros((), dtype=torch.float64)
     return torch.stack([q.to(torch.float64) for q in squares]).sum()
+
+
+def _sampled_gap(
+    average: torch.Tensor,
+    source: torch.Tensor,
+    spare: torch.Tensor,
+    sample: NormSample,
+    start: int,
+) -> tuple[float, float] | list[torch.Tensor]:
+    n = average.numel()
+    loops = _loaded_loops()
+    if loops is not None and takes_fused(average, source):
+        diff, post, count = loops.gap_sampled(
+            average.numpy(),
+            source.detach().numpy(),
+            start % sample.every,
+            sample.block,
+            sample.every,
+        )
+        scale = n / max(count, 1)
+        return diff * scale, post * scale
+    flat_source = source.reshape(-1)
+    diffs: list[torch.Tensor] = []
+    posts: list[torch.Tensor] = []
+    count = 0
+    for lo, hi in sample.spans(start, n):  # the torch path (no numba): one block at a time
+        block_diff, block_post = gap_piece(average[lo:hi], flat_source[lo:hi], spare)
+        diffs.append(torch.as_tensor(block_diff))  # a float where a short block took the loop
+        posts.append(torch.as_tensor(block_post))
+        count += hi - lo
+    scale = n / max(count, 1)
+    return [_sum(diffs) * scale, _sum(posts) * scale]

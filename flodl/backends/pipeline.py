@@ -45,7 +45,7 @@ from flodl.backends.averaging import (
     read_sums,
     squared_norm,
 )
-from flodl.backends.kernels import gap_piece, share_piece
+from flodl.backends.kernels import NormSample, gap_piece, share_piece
 from flodl.errors import BackendError, CollectiveAborted
 
 
@@ -210,6 +210,7 @@ def reduce_in_buckets(
     gamma: float,
     abandoned: Callable[[], bool],
     checksum: bool = True,
+    sample: NormSample | None = None,
 ) -> Landed:
     """Reduce one round in buckets; when the summed mass is above 0, the scratch is left
     holding the average (at zero mass the local state is kept and the scratch is not used).
@@ -218,9 +219,11 @@ def reduce_in_buckets(
     (:func:`_reduce_shares`): the two sums (mass, movers) are reduced first, so each rank
     copies its share ``p * m / M`` into scratch and the SUM all-reduce itself yields the
     average; as each bucket lands, only the norms ``||a||`` and ``||a - p||`` are read from it
-    (``||p||`` was taken during the copy). With ``sources`` None the scratch already holds
-    this rank's mass-weighted contribution (a snapshot, :func:`~flodl.backends.averaging.pack`)
-    and each landed bucket is divided by the sums; no norms are taken.
+    (``||p||`` was taken during the copy; with ``sample``, ``||a||`` and ``||a - p||`` are
+    estimated from that fixed sample of each large parameter, :class:`NormSample`). With
+    ``sources`` None the scratch already holds this rank's mass-weighted contribution (a
+    snapshot, :func:`~flodl.backends.averaging.pack`) and each landed bucket is divided by
+    the sums; no norms are taken.
 
     The checksum (taken when ``checksum``, else 0) covers the reduced buffer as every rank
     holds it: equal sums on every rank (and, for a snapshot, the same deterministic division)
@@ -231,7 +234,9 @@ def reduce_in_buckets(
     failed; in both cases ops may still be in flight on the scratch.
     """
     if sources is not None:
-        return _reduce_shares(comm, plan, scratch, sources, batches, gamma, abandoned, checksum)
+        return _reduce_shares(
+            comm, plan, scratch, sources, batches, gamma, abandoned, checksum, sample
+        )
     return _reduce_snapshot(comm, plan, scratch, abandoned, checksum)
 
 
@@ -244,6 +249,7 @@ def _reduce_shares(
     gamma: float,
     abandoned: Callable[[], bool],
     checksum: bool,
+    sample: NormSample | None,
 ) -> Landed:
     flat, layout = scratch.flat, plan.layout
     mass, mover = mass_of(batches, gamma), mover_of(batches)
@@ -286,7 +292,8 @@ def _reduce_shares(
         for piece in bucket.pieces:
             if piece.is_param:
                 average = flat[piece.start : piece.end]
-                norms.take(gap_piece(average, _source(sources, piece), scratch.spare))
+                source = _source(sources, piece)
+                norms.take(gap_piece(average, source, scratch.spare, sample, piece.start))
     return Landed(reduced, combine_checksums(sums), norms.applied())
 
 

@@ -45,6 +45,7 @@ from flodl.backends.averaging import (
 )
 from flodl.backends.base import DEFAULT_ALPHA, AverageResult
 from flodl.backends.group import GroupInfo, connect_store, host_store
+from flodl.backends.kernels import NormSample
 from flodl.backends.pipeline import (
     BucketPlan,
     Landed,
@@ -150,6 +151,9 @@ class TorchDistBackend:
     """Bucket size when the constructor gets none (None: the whole buffer in one op)."""
     default_swap_parameters: bool = False
     """Whether rounds make the parameters views of the averaged buffer by default."""
+    default_norm_sample: NormSample | None = None
+    """How the divergence norms are sampled when the constructor gets no ``norm_sample``
+    (None: exact, every element read)."""
 
     def __init__(
         self,
@@ -160,6 +164,7 @@ class TorchDistBackend:
         verify_every: int = DEFAULT_VERIFY_EVERY,
         bucket_elements: int | None = None,
         swap_parameters: bool | None = None,
+        norm_sample: NormSample | bool | None = True,
     ) -> None:
         """``op_timeout``: seconds after which a collective gives up by itself (the per-op
         timeout); ``join_timeout``: seconds to wait for all members when forming a group.
@@ -180,6 +185,9 @@ class TorchDistBackend:
         the buffer that holds the average instead of copying it into them (one pass over the
         model less; default :attr:`default_swap_parameters`). The Parameter objects, shapes
         and strides stay; only tensors someone took of ``p.data`` before the round go stale.
+        ``norm_sample``: which elements ``||a||`` and ``||a - p||`` (the divergence the guard
+        judges) are read from: a :class:`NormSample`, False or None for all of them (exact), True
+        for :attr:`default_norm_sample`. ``||p||`` is always exact.
         """
         if op_timeout <= 0 or join_timeout <= 0:
             raise BackendError("op_timeout and join_timeout must be > 0")
@@ -200,6 +208,9 @@ class TorchDistBackend:
         """The scratch buffer the live parameters are views of, after a swapping round."""
         self.swap_parameters = (
             self.default_swap_parameters if swap_parameters is None else swap_parameters
+        )
+        self.norm_sample: NormSample | None = (
+            self.default_norm_sample if norm_sample is True else norm_sample or None
         )
         self._current: _Generation | None = None
         self._hosted: dict[int, TCPStore] = {}
@@ -418,7 +429,15 @@ class TorchDistBackend:
         def work(comm: Comm, ticket: _Ticket) -> Landed:
             sources = None if live is None else members(*live, plan.layout)
             landed = reduce_in_buckets(
-                comm, plan, scratch, sources, batches, gamma, lambda: ticket.abandoned, verify
+                comm,
+                plan,
+                scratch,
+                sources,
+                batches,
+                gamma,
+                lambda: ticket.abandoned,
+                verify,
+                self.norm_sample,
             )
             if verify:
                 if ticket.abandoned:

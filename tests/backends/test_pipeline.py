@@ -176,6 +176,41 @@ async def test_bucketed_round_is_bitwise_the_one_shot_average(
     assert [int(m[1][1]) for m in models] == [1, 2]  # int buffers keep their local value
 
 
+async def test_sampled_norms_keep_the_average_bitwise_and_estimate_the_divergence() -> None:
+    """A gloo pair's default: the divergence norms read a fixed sample of each large
+    parameter. The average is untouched by it (bitwise the reference on both ranks, and the
+    ranks equal); the estimated divergence is within 2% of the exact one, which a pair with
+    exact norms reports to 1e-4."""
+    g = torch.Generator().manual_seed(9)
+    base = [torch.randn(300_000, generator=g), torch.randn(70_000, generator=g)]
+    models: list[Model] = [
+        ([t + 0.01 * r * torch.randn(t.shape, generator=g) for t in base], []) for r in (1, 2)
+    ]
+    before = [copy_model(m) for m in models]
+    batches = [3, 5]
+    expected = reference_average(models, batches)
+    layout = FlatLayout.of(*models[0])
+    sampled = [GlooBackend(op_timeout=5.0, join_timeout=10.0) for _ in range(2)]
+    exact = [GlooBackend(op_timeout=5.0, join_timeout=10.0, norm_sample=False) for _ in range(2)]
+    assert sampled[0].norm_sample is not None and exact[0].norm_sample is None
+    try:
+        await form(sampled, 0)
+        await form(exact, 0)
+        estimates = await average_all(sampled, models, batches)
+        truths = await average_all(exact, before, batches)
+    finally:
+        for backend in [*sampled, *exact]:
+            await backend.close()
+    for params, _ in (*models, *before):
+        for p, (start, end) in zip(params, layout.param_ranges(), strict=True):
+            assert torch.equal(p, expected[start:end])
+    for estimate, truth in zip(estimates, truths, strict=True):
+        assert estimate.pre_norm == truth.pre_norm  # ||p|| is always exact
+        assert estimate.divergence == pytest.approx(truth.divergence, rel=0.02)
+        assert estimate.divergence != truth.divergence  # it was sampled
+        assert estimate.post_norm == pytest.approx(truth.post_norm, rel=0.01)
+
+
 async def test_bucketed_zero_mass_round_keeps_local_state(
     tiny_buckets: list[GlooBackend],
 ) -> None:
