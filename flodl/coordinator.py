@@ -465,8 +465,8 @@ class Coordinator:
 
     def _enqueue(self, link: _RankLink, message: _Outgoing) -> None:
         """Queue ``message`` for ``link``'s rank (written by :meth:`_flush` or the writer)."""
-        if link.closed or link.aborting:
-            return
+        if link.closed or link.aborting or link.scope.cancel_called:
+            return  # (cancelled: ending, so nothing more is queued and the warning is said once)
         pending = link.pending
         if len(pending) >= OUTBOX_LIMIT:
             log.warning(

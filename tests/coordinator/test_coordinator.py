@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 from collections import Counter
 
 import pytest
@@ -15,7 +16,7 @@ import trio
 from trio.testing import MockClock
 
 from flodl.config import CoordinatorConfig, MaxFailure
-from flodl.coordinator import FLUSH_CHUNK
+from flodl.coordinator import FLUSH_CHUNK, OUTBOX_LIMIT, open_coordinator
 from flodl.core.machine import Status
 from flodl.core.timeline import EventKind
 from flodl.errors import BrokenChannel, ChannelClosed, ProtocolError
@@ -25,6 +26,7 @@ from flodl.transports.channel import connect_rank
 from flodl.wire.messages import (
     Batch,
     DeclareDead,
+    Heartbeat,
     NewGroupSession,
     RequestNewGroup,
     RunSettings,
@@ -475,3 +477,22 @@ async def test_a_world_larger_than_a_flush_chunk_gets_every_message_in_order(
     assert len(samples) == world * 40 and set(samples.values()) == {1}
     assert all(isinstance(rank.record.ended_by, Shutdown) for rank in cluster.ranks)
     assert cluster.coordinator.machine.cycle.round >= 3
+
+
+async def test_a_rank_that_never_reads_is_disconnected_once_its_outbox_is_full(
+    autojump_clock: MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A rank that sends heartbeats but never reads gets one coordinator beat per second; once
+    # OUTBOX_LIMIT of them are queued it is let go, with one warning (not one per message).
+    config = CoordinatorConfig(join_timeout=3 * OUTBOX_LIMIT)
+    async with open_coordinator("memory://outbox-full", 2, TEST_KEY, config, linger=0) as coord:
+        stream = await connect(coord.url)
+        channel = await connect_rank(stream, TEST_KEY, 0, 2)
+        with caplog.at_level(logging.WARNING, logger="flodl.coordinator"):
+            with pytest.raises((ChannelClosed, BrokenChannel)):
+                for _ in range(2 * OUTBOX_LIMIT):
+                    await channel.send(Heartbeat(rank=0, step_count=0))
+                    await trio.sleep(1.0)
+        await stream.aclose()
+    warnings = [r.getMessage() for r in caplog.records if "cannot keep up" in r.getMessage()]
+    assert warnings == [f"rank 0 cannot keep up ({OUTBOX_LIMIT} messages queued): disconnecting"]
