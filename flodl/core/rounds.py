@@ -18,7 +18,7 @@ Pure: no clocks, no I/O.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -37,6 +37,24 @@ from flodl.core.timeline import EventKind, Timeline
 from flodl.wire.messages import Batch, Batches, CheckpointResult, Metrics, SyncAck
 
 __all__ = ["BatchSeen", "Due", "ResumeState", "Rounds"]
+
+
+@attrs.frozen
+class _LiveMembers(Collection[int]):
+    """The members still alive, as a view: ``in`` is O(1), so waiting for 4,096 ranks' final
+    saves does not scan them all once per answer."""
+
+    membership: Membership
+    liveness: Liveness
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self.membership.member_set and self.liveness.is_alive(rank)
+
+    def __iter__(self) -> Iterator[int]:
+        return (rank for rank in self.membership.members if self.liveness.is_alive(rank))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 @attrs.frozen
@@ -267,6 +285,10 @@ class Rounds:
         work = self.dispatch.work
         if work is None or self.wait_until is not None or not self.cycle.settled:
             return Due.NOT_YET
+        if self.saves.final_requested:
+            # Asked only once every epoch was done, which stays so; the scans below are O(N)
+            # and would otherwise run once per final answer (O(N^2) at the run's end).
+            return Due.ALL_DONE
         if self.cycle.ready(self.dispatch.plan, work.quiesced(self._membership.members)):
             return Due.NOW
         return Due.ALL_DONE if self.all_work_done() else Due.NOT_YET
@@ -341,8 +363,7 @@ class Rounds:
     def final_saves(self, now: float) -> list[Effect] | None:
         """Every epoch is done: the final save's requests, [] while they are awaited, None
         once the run may shut down (see :meth:`SaveSchedule.final`)."""
-        live = [rank for rank in self._membership.members if self._liveness.is_alive(rank)]
-        saves = self.saves.final(live, now)
+        saves = self.saves.final(_LiveMembers(self._membership, self._liveness), now)
         return None if saves is None else list(saves)
 
     def on_checkpoint_result(self, result: CheckpointResult) -> bool:

@@ -50,6 +50,11 @@ class SaveSchedule:
         self.final_until: float | None = None
         """The final save is given up on after this (None: not asked yet, or over)."""
 
+    @property
+    def final_requested(self) -> bool:
+        """The final save was asked for (every epoch is done)."""
+        return self._final is not None
+
     def ask(self, rank: int) -> None:
         """``rank`` sent ``Intent(CHECKPOINT_NOW)``: it saves after the next settled round."""
         self._asked.add(rank)
@@ -84,7 +89,10 @@ class SaveSchedule:
 
     def final(self, members: Collection[int], now: float) -> list[Send] | None:
         """Every epoch is done: the requests for the final save the first time; then [] while
-        a live member's answer is awaited; None once the run may shut down."""
+        a live member's answer is awaited; None once the run may shut down.
+
+        After the first call ``members`` is only asked whether awaited ranks are in it, so a
+        view whose ``in`` is O(1) keeps each call O(1) while the answers come in."""
         if self._final is None:
             self._final = {}
             requests = []
@@ -93,8 +101,7 @@ class SaveSchedule:
                 self._final[rank] = self._version
             self.final_until = now + self._deadline
             return requests or None
-        alive = set(members)
-        if not any(rank in alive for rank in self._final) or (
+        if not any(rank in members for rank in self._final) or (
             self.final_until is not None and now >= self.final_until
         ):
             self.final_until = None
