@@ -13,9 +13,12 @@ alike, with a 1-element all-reduce barrier before each:
   SyncNow: the all-reduce of the two sums (mass, movers), the copy of this rank's share
   ``p * m / M`` into scratch (with ``||p||``), the SUM all-reduce in buckets (which yields the
   average), the checksum verify collective (``verify_every`` 10, as a rank: the first round of
-  a group and every tenth), the norms ``||a||`` and ``||a - p||`` read as each bucket lands,
+  a group and every tenth), the norms ``||a||`` and ``||a - p||`` read as each bucket lands
+  (exactly, gloo's default; ``flodl_sampled`` reads them from a fixed 1/16 sample),
   and the parameters made views of the averaged buffer, all in a worker thread;
 * ``flodl_no_verify``: the same with ``backend.verify = False``;
+* ``flodl_sampled``: ``flodl`` with ``backend.norm_sample = NormSample()`` (the divergence
+  norms from a fixed 1/16 of each large parameter; opt-in, see docs/benchmarks.md (a));
 * ``copy_floor``: only what any round that keeps the live tensors out of the collective must
   do: the mass-weighted copy into a scratch buffer, bucket by bucket, each bucket's SUM
   all-reduce started as soon as it is packed (the same buckets as flodl's), then the wait for
@@ -60,11 +63,11 @@ from flodl.backends.averaging import (
 )
 from flodl.backends.gloo import GlooBackend
 from flodl.backends.group import GroupInfo, connect_store, host_store
-from flodl.backends.kernels import gap_piece, share_piece
+from flodl.backends.kernels import NormSample, gap_piece, share_piece
 from flodl.backends.pipeline import BucketPlan, ScratchPool, _source, install, members
 
 HERE = Path(__file__).resolve()
-VARIANTS = ("bare", "copy_floor", "flodl", "flodl_no_verify", "stages")
+VARIANTS = ("bare", "copy_floor", "flodl", "flodl_no_verify", "flodl_sampled", "stages")
 STAGES = ("sums", "share", "allreduce", "checksum", "verify_allreduce", "gap", "install")
 
 
@@ -164,7 +167,10 @@ class Staged:
         for piece in pieces:
             if piece.is_param:
                 average = flat[piece.start : piece.end]
-                gap_piece(average, _source(sources, piece), scratch.spare)
+                source = _source(sources, piece)
+                gap_piece(
+                    average, source, scratch.spare, GlooBackend.default_norm_sample, piece.start
+                )
         times["gap"], t = clock() - t, clock()
         install(flat, layout, params, buffers, swap=True)
         times["install"] = clock() - t
@@ -200,8 +206,8 @@ async def rank_main(
         fn()
         return time.perf_counter() - started
 
-    async def flodl_round(verify: bool) -> float:
-        backend.verify = verify
+    async def flodl_round(verify: bool, sample: NormSample | None = None) -> float:
+        backend.verify, backend.norm_sample = verify, sample
         bare.barrier()
         started = time.perf_counter()
         await backend.average(params, buffers, batches)
@@ -221,6 +227,8 @@ async def rank_main(
                     row["flodl"] = await flodl_round(True)
                 elif variant == "flodl_no_verify":
                     row["flodl_no_verify"] = await flodl_round(False)
+                elif variant == "flodl_sampled":
+                    row["flodl_sampled"] = await flodl_round(True, NormSample())
                 else:
                     bare.barrier()
                     row.update(staged.round(bare, params, buffers, batches))
@@ -261,6 +269,10 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
         "copy_floor_ratio": round(statistics.median(r["copy_floor"] / r["bare"] for r in rows), 3),
         "overhead_ratio_over_floor": round(
             statistics.median(r["flodl"] / r["copy_floor"] for r in rows), 3
+        ),
+        "flodl_round_sampled_ms": median_ms("flodl_sampled"),
+        "overhead_ratio_over_floor_sampled": round(
+            statistics.median(r["flodl_sampled"] / r["copy_floor"] for r in rows), 3
         ),
         "stages_ms": stages,
         "stages_sum_ms": round(sum(stages.values()), 3),
@@ -310,7 +322,24 @@ def run_overhead(
     }
 
 
+def standalone(argv: Sequence[str]) -> int:
+    """The bench alone (part (a) of training_bench.py): run it, write the figures as JSON."""
+    parser = argparse.ArgumentParser(description="averaging-overhead bench, standalone")
+    parser.add_argument("--output", type=Path, default=HERE.parent / "results/averaging.json")
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args(argv)
+    before = benchenv.load()
+    result = run_overhead(reps=args.reps)
+    result["load_before"], result["load_after"] = before, benchenv.load()
+    result["environment"] = benchenv.environment(["torch", "numba"])
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
+    if not any(a.startswith("--rank") for a in argv):
+        return standalone(argv)
     parser = argparse.ArgumentParser(description="one rank of the averaging-overhead bench")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)

@@ -81,10 +81,11 @@ class GlooBackend(TorchDistBackend):
     """On CPU the copy into the parameters is a whole pass over the model after the collective,
     the one part of a round nothing overlaps; views of the averaged buffer cost nothing."""
 
-    default_norm_sample: NormSample | None = NormSample()
-    """The divergence norms read 1/16 of each large parameter: the exact pass read the whole
-    model and the average after the collective (~12 ms of a 93 ms round on this 2-core box,
-    where it cannot overlap the wire); the guard's verdicts with it, docs/benchmarks.md (a)."""
+    default_norm_sample: NormSample | None = None
+    """Exact divergence norms by default. A :class:`NormSample` (``norm_sample=``) reads 1/16
+    of each large parameter and takes the round to about the copy floor here, but on a
+    trained model its divergence was off by 5-20% (median; up to 96%) and TrendGuard's
+    verdicts changed in 1-5 of 40 rounds (docs/benchmarks.md (a)), so it is opt-in."""
 
     def _make_comm(self, store: Store, rank: int, world_size: int, host: str) -> Comm:
         comm = GlooComm(store, rank, world_size, self.op_timeout, host)

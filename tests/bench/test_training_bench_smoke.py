@@ -60,9 +60,30 @@ def test_window_and_overhead_summary() -> None:
     assert training_bench.window(reports) == 5.0
     stages = dict.fromkeys(averaging_overhead.STAGES, 0.001)
     rows = [
-        {"bare": 0.010, "copy_floor": 0.012, "flodl": 0.020, "flodl_no_verify": 0.015, **stages},
-        {"bare": 0.010, "copy_floor": 0.015, "flodl": 0.030, "flodl_no_verify": 0.012, **stages},
-        {"bare": 0.020, "copy_floor": 0.024, "flodl": 0.030, "flodl_no_verify": 0.020, **stages},
+        {
+            "bare": 0.010,
+            "copy_floor": 0.012,
+            "flodl": 0.020,
+            "flodl_no_verify": 0.015,
+            "flodl_sampled": 0.013,
+            **stages,
+        },
+        {
+            "bare": 0.010,
+            "copy_floor": 0.015,
+            "flodl": 0.030,
+            "flodl_no_verify": 0.012,
+            "flodl_sampled": 0.015,
+            **stages,
+        },
+        {
+            "bare": 0.020,
+            "copy_floor": 0.024,
+            "flodl": 0.030,
+            "flodl_no_verify": 0.020,
+            "flodl_sampled": 0.024,
+            **stages,
+        },
     ]
     summary = averaging_overhead.summarize(rows)
     assert summary["overhead_ratio"] == 2.0  # per-repetition ratios 2, 3, 1.5
@@ -72,6 +93,7 @@ def test_window_and_overhead_summary() -> None:
     assert summary["stages_sum_ms"] == pytest.approx(len(averaging_overhead.STAGES))  # 1 ms each
     assert summary["copy_floor_ratio"] == 1.2  # 1.2, 1.5, 1.2
     assert summary["overhead_ratio_over_floor"] == 1.667  # 1.667, 2, 1.25
+    assert summary["overhead_ratio_over_floor_sampled"] == 1.0  # 1.083, 1, 1
 
 
 def test_quick_run_writes_the_results(tmp_path: Path) -> None:
