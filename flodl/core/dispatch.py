@@ -119,16 +119,15 @@ class Dispatch:
         self,
         rank: int,
         batches_ms: Sequence[float],
-        data_ms: Sequence[float],
+        walls: Sequence[float],
         losses: Sequence[float],
         now: float,
     ) -> None:
-        """:meth:`on_batch` for several finished batches of ``rank`` (oldest first), none of
-        them its last: the caller checked that the rank holds more than ``len(batches_ms)``
-        (:meth:`in_flight`)."""
+        """:meth:`on_batch` for several finished batches of ``rank`` (oldest first; ``walls``:
+        each one's batch plus data time), none of them its last: the caller checked that the
+        rank holds more than ``len(batches_ms)`` (:meth:`in_flight`)."""
         assert self.work is not None
         tally = self._tallies[rank]
-        walls = [batch + data for batch, data in zip(batches_ms, data_ms, strict=True)]
         compute_ms = tally.compute_ms
         first = 0
         if tally.batches == 0:

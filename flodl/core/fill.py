@@ -86,15 +86,7 @@ class IdleFill:
 
     def on_batch(self, rank: int, now: float, batch_ms: float) -> None:
         """``rank`` reported a finished batch that took ``batch_ms``. O(1)."""
-        self._last_report[rank] = now
-        if self._by_span:
-            return
-        if rank not in self._pace and rank < len(self._plan) and self._plan[rank] > 0:
-            self._unreported -= 1
-        self._pace[rank] = batch_ms
-        slowest = self._slowest
-        if slowest is None or batch_ms > self._pace[slowest]:
-            self._slowest = rank
+        self.on_batches(rank, now, (batch_ms,))
 
     def on_batches(self, rank: int, now: float, batches_ms: Sequence[float]) -> None:
         """:meth:`on_batch` for each of ``batches_ms`` (at least one), in order, all at ``now``.

@@ -249,8 +249,8 @@ class Rounds:
         stop = start + count
         batches_ms = batches.batch_ms[start:stop]
         data_ms = batches.data_ms[start:stop]
-        self.dispatch.on_batches(rank, batches_ms, data_ms, batches.batch_loss[start:stop], now)
         walls = [batch + data for batch, data in zip(batches_ms, data_ms, strict=True)]
+        self.dispatch.on_batches(rank, batches_ms, walls, batches.batch_loss[start:stop], now)
         self.log.on_batches(rank, walls, now)
         step_count = batches.step_count - len(batches.batch_ms) + stop
         self.cycle.on_batches(rank, count, step_count)

@@ -386,14 +386,7 @@ class Batches(Message):
 
     def reports(self) -> list[Batch]:
         """The ``Batch`` report of each entry, oldest first."""
-        first = self.step_count - len(self.batch_ms) + 1
-        rank = self.rank
-        return [
-            Batch(rank, batch_ms, data_ms, first + i, loss)
-            for i, (batch_ms, data_ms, loss) in enumerate(
-                zip(self.batch_ms, self.data_ms, self.batch_loss, strict=True)
-            )
-        ]
+        return [self.report(index) for index in range(len(self.batch_ms))]
 
 
 TO_RANK: tuple[type[Message], ...] = (
