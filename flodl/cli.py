@@ -477,7 +477,9 @@ def _coordinator(args: argparse.Namespace) -> int:
             seed=args.seed,
             freeze_heap=True,  # this process exists to coordinate (see flodl.coordinator)
         ) as coordinator:
-            clocks = (time.time(), trio.current_time())
+            # From when the coordinator started (its join timeout counts from there).
+            started = coordinator.started_at
+            clocks = (time.time() - (trio.current_time() - started), started)
             print(f"flodl coordinator listening on {coordinator.url}", flush=True)
             try:
                 observing = open_observer(coordinator, args.run_dir, (clocks[1], clocks[0]))

@@ -145,6 +145,9 @@ class Coordinator:
         self._machine = machine
         self._config = config
         self._freeze_heap = freeze_heap
+        self.started_at = machine.created_at
+        """Trio time the run's clock starts from: the machine's creation, which its deadlines
+        (the join timeout first) count from."""
         self.heap_frozen = False
         """The heap was frozen when training started (module docstring)."""
         self.url = url

@@ -296,8 +296,10 @@ async def _launch(
         resume=None if plan is None else plan.state,
         freeze_heap=True,  # this process exists to coordinate (see flodl.coordinator)
     ) as coordinator:
-        # Both clocks read together, so timeline times map onto unix times exactly.
-        trio_start, clock_unix = trio.current_time(), time.time()
+        # The run's clock starts when the coordinator's did (its join timeout counts from
+        # there); the unix time of that instant is read off both clocks read together.
+        trio_start = coordinator.started_at
+        clock_unix = time.time() - (trio.current_time() - trio_start)
         master_port = free_port()
         if config.nproc > 1 and "OMP_NUM_THREADS" not in os.environ and config.echo:
             say(OMP_NOTE.format(n=config.nproc))

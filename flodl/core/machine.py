@@ -150,6 +150,8 @@ class CoordinatorMachine:
         next_deadline() asks after every report, and a scan of 4,096 entries there made
         the joining phase quadratic."""
         timeouts = settings.timeouts
+        self.created_at = now
+        """When the machine was created (its deadlines count from here)."""
         self.liveness = Liveness(world_size, heartbeat_timeout=timeouts.heartbeat, now=now)
         self.rendezvous = Rendezvous(
             world_size, local_ranks=local_ranks, retry_timeout=timeouts.rendezvous_retry

@@ -221,10 +221,11 @@ def test_both_modes_with_eight_ranks_for_two_seconds(tmp_path: Path) -> None:
         lat = row["latency"]
         assert 0.0 <= lat["p50_ms"] <= lat["p99_ms"] <= lat["max_ms"]
         # 8 ranks x 2 s: at most 10 batch reports/s each (a grid tick may straddle the
-        # window's ends, and held reports from before it come in it) and at least 70% of that
-        # (barrier waits). Coalesced: no Batch frame, and fewer frames than reports; every
-        # rank sends some frame at least every two heartbeat intervals.
-        assert 112 <= row["batch_reports"] <= 200
+        # window's ends, and held reports from before it come in it) and at least 60% of that
+        # (barrier waits; a busy CI machine measured 69%). Coalesced: no Batch frame, and fewer
+        # frames than reports; every rank sends some frame at least every two heartbeat
+        # intervals.
+        assert 96 <= row["batch_reports"] <= 200
         for kinds in (row["messages_by_kind"], row["offered_by_kind"]):
             assert "Batch" not in kinds
             assert 8 <= kinds["Batches"] + kinds.get("Heartbeat", 0) < row["batch_reports"]
