@@ -145,9 +145,6 @@ class Coordinator:
         self._machine = machine
         self._config = config
         self._freeze_heap = freeze_heap
-        self.started_at = machine.created_at
-        """Trio time the run's clock starts from: the machine's creation, which its deadlines
-        (the join timeout first) count from."""
         self.heap_frozen = False
         """The heap was frozen when training started (module docstring)."""
         self.url = url
@@ -184,6 +181,12 @@ class Coordinator:
     @property
     def machine(self) -> CoordinatorMachine:
         return self._machine
+
+    @property
+    def started_at(self) -> float:
+        """Trio time the run's clock starts from: the machine's creation, which its deadlines
+        (the join timeout first) count from."""
+        return self._machine.created_at
 
     @property
     def timeline(self) -> Timeline:

@@ -237,11 +237,7 @@ class Cycle:
         collective is still ahead of it. Only a SyncAck for the round acknowledges it.
         Reports from ranks outside the group are ignored.
         """
-        rank = batch.rank
-        self._check_rank(rank)
-        self._last_step_count[rank] = batch.step_count
-        if rank in self._members:
-            self._steps[rank] += 1
+        self.on_batches(batch.rank, 1, batch.step_count)
         return False
 
     def on_batches(self, rank: int, count: int, step_count: int) -> None:

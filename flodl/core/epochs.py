@@ -41,15 +41,13 @@ class EpochTallies:
 
     def on_batch(self, epoch: int, loss: float) -> None:
         """A batch of ``epoch`` finished with ``loss`` (non-finite losses count as 0)."""
-        tally = self._of(epoch)
-        tally.loss_sum += loss if math.isfinite(loss) else 0.0
-        tally.batches += 1
+        self.on_batches(epoch, (loss,))
 
     def on_batches(self, epoch: int, losses: Sequence[float]) -> None:
         """:meth:`on_batch` for each of ``losses``, in order."""
         tally = self._of(epoch)
         isfinite = math.isfinite
-        # One running sum in the same order as on_batch's, so the float result is the same.
+        # One running sum in report order, so the float result is that of one at a time.
         loss_sum = tally.loss_sum
         for loss in losses:
             loss_sum += loss if isfinite(loss) else 0.0

@@ -60,10 +60,7 @@ class RoundLog:
         return facts
 
     def on_batch(self, rank: int, wall_ms: float, now: float) -> None:
-        facts = self._of(rank)
-        facts.batches += 1
-        facts.compute_ms += wall_ms
-        facts.last_report = now
+        self.on_batches(rank, (wall_ms,), now)
 
     def on_batches(self, rank: int, walls_ms: Sequence[float], now: float) -> None:
         """:meth:`on_batch` for each of ``walls_ms``, in order, all at ``now``."""
