@@ -406,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     from flodl.checkpoint.resume import plan_resume
     from flodl.launcher import LaunchConfig, launch, print_summary, run_succeeded
-    from flodl.launcher_signals import silence_stdout
+    from flodl.launcher_signals import unread_is_fine
     from flodl.rundir import fresh_run_dir, point_latest
 
     # Every check here runs before any rank starts: a usage error is one message, exit 2.
@@ -434,13 +434,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.run_dir is None:
         point_latest(config.run_dir)
     summary = trio.run(launch, config)
-    try:
+    # `| tee` may have died of the same Ctrl-C, or the terminal closed: summary.json is
+    # written, and only the echo is lost.
+    with unread_is_fine():
         print_summary(summary)
         print(f"  summary: {config.run_dir / 'summary.json'}", flush=True)
-        if args.report:
+    if args.report:
+        with unread_is_fine():
             _write_report(config.run_dir)
-    except BrokenPipeError:  # `| tee` died of the same Ctrl-C; summary.json is written
-        silence_stdout()
     return 0 if run_succeeded(summary) else 1
 
 
@@ -454,7 +455,7 @@ def _check_url(flag: str, url: str) -> None:
 def _coordinator(args: argparse.Namespace) -> int:
     from flodl.coordinator import open_coordinator
     from flodl.failure_report import coordinator_summary, print_root_cause, write_summary
-    from flodl.launcher_signals import StopSignals, coordinate
+    from flodl.launcher_signals import StopSignals, coordinate, say, unread_is_fine
     from flodl.observe.hub import open_observer
     from flodl.observe.views import run_views
 
@@ -480,14 +481,14 @@ def _coordinator(args: argparse.Namespace) -> int:
             # From when the coordinator started (its join timeout counts from there).
             started = coordinator.started_at
             clocks = (time.time() - (trio.current_time() - started), started)
-            print(f"flodl coordinator listening on {coordinator.url}", flush=True)
+            say(f"flodl coordinator listening on {coordinator.url}")
             try:
                 observing = open_observer(coordinator, args.run_dir, (clocks[1], clocks[0]))
                 async with observing as observer, trio.open_nursery() as nursery:
                     dashboard = await nursery.start(run_views, observer, views)
                     if dashboard is not None:
-                        print(f"flodl: dashboard at {dashboard}", flush=True)
-                    # SIGINT/SIGTERM: every rank saves
+                        say(f"flodl: dashboard at {dashboard}")
+                    # SIGINT/SIGTERM/SIGHUP: every rank saves
                     outcome = await coordinate(coordinator, stops)
                     nursery.cancel_scope.cancel()
                     return outcome
@@ -506,11 +507,13 @@ def _coordinator(args: argparse.Namespace) -> int:
 
     line, status = trio.run(serve)
     write_summary(args.run_dir / "summary.json", summary)
-    print(line, flush=True)
-    print_root_cause(summary, sys.stdout)
-    print(f"  summary: {args.run_dir / 'summary.json'}", flush=True)
+    with unread_is_fine():  # the terminal may have closed (that may be what stopped the run)
+        print(line, flush=True)
+        print_root_cause(summary, sys.stdout)
+        print(f"  summary: {args.run_dir / 'summary.json'}", flush=True)
     if args.report:
-        _write_report(args.run_dir)
+        with unread_is_fine():
+            _write_report(args.run_dir)
     return status
 
 

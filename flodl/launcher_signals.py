@@ -2,9 +2,13 @@
 
 Signals belong to the launcher. Each rank is started in a session of its own
 (``start_new_session``), so the SIGINT a terminal sends to its whole foreground process group on
-Ctrl-C reaches the launcher only, never a rank. The launcher turns the first SIGINT or SIGTERM
-into ``ShutdownWithSave(GRACEFUL)`` (every live rank writes its bundle at its next batch boundary
-and exits), and any later one into SIGKILL of every rank's process group. A rank whose launcher
+Ctrl-C, and the SIGHUP it sends when it closes, reach the launcher only, never a rank. The
+launcher turns the first SIGINT, SIGTERM or SIGHUP (unless SIGHUP was ignored when it started:
+``nohup``; see :mod:`flodl.hangup`) into ``ShutdownWithSave(GRACEFUL)`` (every live rank writes
+its bundle at its next batch boundary and exits), and a later SIGINT or SIGTERM into SIGKILL of
+every rank's process group. A later SIGHUP changes nothing: a closing terminal may send it twice
+(the kernel to its foreground group, the shell to its jobs), and the save must go on. Its
+output lost, the launcher goes on silently (:func:`say`). A rank whose launcher
 is gone (even SIGKILLed) sees its coordinator's connection close and gives up on its own, so a
 rank in its own session never outlives its launcher for long; the launcher's own teardown kills
 each rank's whole process group (a rank's children included).
@@ -22,6 +26,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 import attrs
 import trio
 
+from flodl.hangup import reader_gone, stop_signals
+
 if TYPE_CHECKING:
     from flodl.coordinator import Coordinator
     from flodl.launcher import RankProcess
@@ -32,11 +38,10 @@ __all__ = [
     "kill_rank_groups",
     "printing_through",
     "say",
-    "silence_stdout",
+    "silence",
+    "unread_is_fine",
     "watch_signals",
 ]
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @attrs.define
@@ -48,16 +53,30 @@ class StopSignals:
     """A second signal killed every rank still running."""
 
 
-def silence_stdout() -> None:
-    """Send the rest of stdout nowhere: its reader is gone (``| tee`` dies of the same Ctrl-C).
-
-    The run must still save and write its summary; only the echo is lost.
-    """
+def silence(*streams: TextIO) -> None:
+    """Send the rest of each stream nowhere: its reader is gone (``| tee`` died of the same
+    Ctrl-C, or the terminal closed). The run must still save and write its summary; only the
+    echo is lost. Streams without a file descriptor are left as they are."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(devnull, sys.stdout.fileno())
+        for stream in streams:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                os.dup2(devnull, stream.fileno())
     finally:
         os.close(devnull)
+
+
+@contextlib.contextmanager
+def unread_is_fine() -> Iterator[None]:
+    """For the block: a write whose reader is gone (a broken pipe, a terminal that hung up)
+    ends the block quietly and silences stdout and stderr from then on. Other errors are
+    raised. Put only printing in it: what follows the failed write is skipped."""
+    try:
+        yield
+    except OSError as err:
+        if not reader_gone(err):
+            raise
+        silence(sys.stdout, sys.stderr)
 
 
 LinePrinter = Callable[[str, TextIO | None], None]
@@ -80,16 +99,18 @@ def printing_through(printer: LinePrinter) -> Iterator[None]:
 
 
 def say(text: str, stream: TextIO | None = None) -> bool:
-    """Print one line and flush; False (and stdout silenced) when its reader has gone."""
+    """Print one line and flush; False when its reader has gone (a broken pipe, a terminal that
+    hung up), and that stream is silenced from then on. Other write errors are raised."""
     out = stream if stream is not None else sys.stdout
     try:
         if _printer is not None:
             _printer(text, stream)
             return True
         print(text, file=out, flush=True)
-    except BrokenPipeError:
-        if out is sys.stdout:
-            silence_stdout()
+    except OSError as err:
+        if not reader_gone(err):
+            raise
+        silence(out)
         return False
     return True
 
@@ -120,17 +141,21 @@ async def watch_signals(
     *,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """First SIGINT/SIGTERM: every rank saves and stops. Any later one: ``again()`` (the
-    launcher kills every rank; ``flodl coordinator`` stops at once). ``again_says``: what
-    that does, as offered after the first ("kill the ranks") and as done ("killing the ranks").
+    """First SIGINT/SIGTERM/SIGHUP (:func:`flodl.hangup.stop_signals`): every rank saves and
+    stops. Any later SIGINT or SIGTERM: ``again()`` (the launcher kills every rank; ``flodl
+    coordinator`` stops at once); a later SIGHUP is recorded and changes nothing. ``again_says``:
+    what ``again()`` does, as offered after the first ("kill the ranks") and as done ("killing
+    the ranks").
 
     Reports ``started`` once the handlers are in place: start it before the first rank.
     """
-    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+    with trio.open_signal_receiver(*stop_signals()) as signals:
         task_status.started()
         async for signum in signals:
             name = signal.Signals(signum).name
             stops.received.append(name)
+            if signum == signal.SIGHUP and len(stops.received) > 1:
+                continue  # the terminal closing again (module docstring): the save goes on
             if len(stops.received) == 1:
                 if coordinator.machine.finished:
                     text = f"flodl: {name}: the run has ended; waiting for the ranks to exit"

@@ -1,12 +1,16 @@
-"""SIGTERM and SIGINT for a rank started by ``flodl worker`` (``FLODL_STOP_ON_SIGNALS=1``).
+"""SIGTERM, SIGINT and SIGHUP for a rank started by ``flodl worker``
+(``FLODL_STOP_ON_SIGNALS=1``).
 
-A scheduler stops a job with SIGTERM (Slurm, Kubernetes), a terminal with SIGINT. Such a rank
-does not die of the first one: it asks its coordinator to end the run with a save
-(``Intent(SAVE_AND_STOP)``), so every rank of the run, this one included, writes its bundle
-(``ShutdownWithSave(GRACEFUL)``) and ``rank.batches()`` raises ``ShutdownRequested``. A second
-signal is not caught: the rank dies of it as it would have without flodl (SIGINT as
-``KeyboardInterrupt``). Under ``flodl run`` the launcher owns the signals (ranks run in sessions
-of their own) and none of this is installed.
+A scheduler stops a job with SIGTERM (Slurm, Kubernetes), a terminal with SIGINT, and a
+terminal that closes (an ssh session that drops) sends SIGHUP. Such a rank does not die of the
+first one: it asks its coordinator to end the run with a save (``Intent(SAVE_AND_STOP)``), so
+every rank of the run, this one included, writes its bundle (``ShutdownWithSave(GRACEFUL)``) and
+``rank.batches()`` raises ``ShutdownRequested``. A second SIGINT or SIGTERM is not caught: the
+rank dies of it as it would have without flodl (SIGINT as ``KeyboardInterrupt``). SIGHUP is
+ignored from then on: a closing terminal may send it twice, and the save must go on. A rank
+started with SIGHUP ignored (``nohup``) keeps it ignored (:mod:`flodl.hangup`). Under ``flodl
+run`` the launcher owns the signals (ranks run in sessions of their own) and none of this is
+installed.
 
 The handlers live in the script's main thread (Python runs signal handlers there only, and the
 rank's trio loop runs in a thread of its own); each hands the request to that loop.
@@ -25,12 +29,12 @@ from typing import Any
 import trio
 
 from flodl.core.rank_effects import Send
+from flodl.hangup import stop_signals
 from flodl.wire.messages import Intent, IntentKind
 
 __all__ = ["ENV_VAR", "StopOnSignals"]
 
 ENV_VAR = "FLODL_STOP_ON_SIGNALS"
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 Handler = Callable[[int, FrameType | None], Any] | int | None
 
@@ -48,7 +52,7 @@ class StopOnSignals:
         env = os.environ if environ is None else environ
         if env.get(ENV_VAR) != "1" or threading.current_thread() is not threading.main_thread():
             return
-        for signum in SIGNALS:
+        for signum in stop_signals():
             self._previous[signum] = signal.signal(signum, self._on_signal)
 
     def restore(self) -> None:
@@ -58,7 +62,12 @@ class StopOnSignals:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        self.restore()  # the next one is not caught
+        handles_hangup = signal.SIGHUP in self._previous  # not started under nohup
+        self.restore()  # the next SIGINT or SIGTERM is not caught
+        if handles_hangup:
+            # Until join() ends: it puts SIGHUP's own handler back (the previous one is kept).
+            previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            self._previous[signal.SIGHUP] = previous
         print(
             f"flodl: {name}: asking the coordinator to save every rank and stop "
             "(again to stop this rank at once, unsaved)",

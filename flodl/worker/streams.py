@@ -3,8 +3,10 @@
 Under ``flodl run`` a rank's stdout and stderr are pipes to the launcher, which copies them
 into ``rank<N>.log``. When the launcher dies (SIGKILL), the next ``print`` in the training
 script would raise ``BrokenPipeError`` and end the script before its batch boundary saves the
-rank's bundle. :func:`keep_output` wraps both streams so that a write to a broken pipe goes
-to the rank's log file instead, from then on; nothing else changes.
+rank's bundle; under ``flodl worker`` a rank writes to the terminal it was started from, and
+once that closes every write raises ``OSError(EIO)``. :func:`keep_output` wraps both streams
+so that a write whose reader is gone (:func:`flodl.hangup.reader_gone`) goes to the rank's log
+file instead, from then on; nothing else changes.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
+from flodl.hangup import reader_gone
+
 __all__ = ["FallbackStream", "keep_output"]
 
 
 class FallbackStream:
     """``stream``, until a write or flush finds its pipe broken; then ``fallback`` (opened
-    for appending at that moment). Never raises BrokenPipeError."""
+    for appending at that moment). Never raises for a reader that is gone (a broken pipe, a
+    terminal that hung up); other write errors are raised."""
 
     def __init__(self, stream: IO[str], fallback: Path) -> None:
         self._stream = stream
@@ -34,8 +39,9 @@ class FallbackStream:
         if self._fallback is None:
             try:
                 return self._stream.write(text)
-            except BrokenPipeError:
-                pass
+            except OSError as err:
+                if not reader_gone(err):
+                    raise
         target = self._switch()
         written = target.write(text)
         target.flush()
@@ -47,18 +53,21 @@ class FallbackStream:
             return
         try:
             self._stream.flush()
-        except BrokenPipeError:
+        except OSError as err:
+            if not reader_gone(err):
+                raise
             self._switch()
 
     def close(self) -> None:
-        """Close the log (if it was opened) and the wrapped stream; never raises
-        BrokenPipeError."""
+        """Close the log (if it was opened) and the wrapped stream; never raises for a reader
+        that is gone."""
         if self._fallback is not None:
             self._fallback.close()
         try:
             self._stream.close()
-        except BrokenPipeError:
-            pass
+        except OSError as err:
+            if not reader_gone(err):
+                raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
