@@ -149,24 +149,39 @@ async def watch_signals(
 
     Reports ``started`` once the handlers are in place: start it before the first rank.
     """
-    with trio.open_signal_receiver(*stop_signals()) as signals:
+    handled = stop_signals()
+    if signal.SIGHUP in handled:
+        # What the receiver puts back when it closes, and re-raises a late SIGHUP into: after
+        # the run the process has a summary to write, and must not die of a hangup.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    with trio.open_signal_receiver(*handled) as signals:
         task_status.started()
-        async for signum in signals:
-            name = signal.Signals(signum).name
-            stops.received.append(name)
-            if signum == signal.SIGHUP and len(stops.received) > 1:
-                continue  # the terminal closing again (module docstring): the save goes on
-            if len(stops.received) == 1:
-                if coordinator.machine.finished:
-                    text = f"flodl: {name}: the run has ended; waiting for the ranks to exit"
-                else:
-                    text = f"flodl: {name}: every rank saves its bundle, then stops"
-                    coordinator.request_stop(save=True)
-                say(f"{text} (again to {again_says[0]})", sys.stderr)
+        await _take_signals(signals, coordinator, stops, again, again_says)
+
+
+async def _take_signals(
+    signals: Any,
+    coordinator: Coordinator,
+    stops: StopSignals,
+    again: Callable[[], None],
+    again_says: tuple[str, str],
+) -> None:
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        stops.received.append(name)
+        if signum == signal.SIGHUP and len(stops.received) > 1:
+            continue  # the terminal closing again (module docstring): the save goes on
+        if len(stops.received) == 1:
+            if coordinator.machine.finished:
+                text = f"flodl: {name}: the run has ended; waiting for the ranks to exit"
             else:
-                stops.killed = True
-                say(f"flodl: {name}: {again_says[1]}", sys.stderr)
-                again()
+                text = f"flodl: {name}: every rank saves its bundle, then stops"
+                coordinator.request_stop(save=True)
+            say(f"{text} (again to {again_says[0]})", sys.stderr)
+        else:
+            stops.killed = True
+            say(f"flodl: {name}: {again_says[1]}", sys.stderr)
+            again()
 
 
 async def coordinate(coordinator: Coordinator, stops: StopSignals | None = None) -> tuple[str, int]:

@@ -7,7 +7,8 @@ first one: it asks its coordinator to end the run with a save (``Intent(SAVE_AND
 every rank of the run, this one included, writes its bundle (``ShutdownWithSave(GRACEFUL)``) and
 ``rank.batches()`` raises ``ShutdownRequested``. A second SIGINT or SIGTERM is not caught: the
 rank dies of it as it would have without flodl (SIGINT as ``KeyboardInterrupt``). SIGHUP is
-ignored from then on: a closing terminal may send it twice, and the save must go on. A rank
+ignored from then on, for the rest of the process: a closing terminal may send it twice, and
+the save must go on. A rank
 started with SIGHUP ignored (``nohup``) keeps it ignored (:mod:`flodl.hangup`). Under ``flodl
 run`` the launcher owns the signals (ranks run in sessions of their own) and none of this is
 installed.
@@ -65,9 +66,9 @@ class StopOnSignals:
         handles_hangup = signal.SIGHUP in self._previous  # not started under nohup
         self.restore()  # the next SIGINT or SIGTERM is not caught
         if handles_hangup:
-            # Until join() ends: it puts SIGHUP's own handler back (the previous one is kept).
-            previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
-            self._previous[signal.SIGHUP] = previous
+            # For the rest of the process, join() over or not: a late hangup must not kill a
+            # rank that is saving, or has saved and is on its way out.
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
         print(
             f"flodl: {name}: asking the coordinator to save every rank and stop "
             "(again to stop this rank at once, unsaved)",

@@ -231,7 +231,10 @@ def _multihost(tmp_path: Path) -> tuple[subprocess.Popen[str], list[subprocess.P
     env = dict(os.environ, FLODL_SESSION_KEY=secrets.token_hex(32))
     flodl = [sys.executable, "-m", "flodl.cli"]
     coordinator = subprocess.Popen(
-        [*flodl, "coordinator", "--listen", "tcp://127.0.0.1:0", "--world-size", "2"],
+        [
+            *(*flodl, "coordinator", "--listen", "tcp://127.0.0.1:0", "--world-size", "2"),
+            *("--run-dir", str(tmp_path / "coordinator")),
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -259,22 +262,48 @@ def _multihost(tmp_path: Path) -> tuple[subprocess.Popen[str], list[subprocess.P
     return coordinator, workers
 
 
-@pytest.mark.parametrize("target", ["worker", "coordinator"])
-def test_sigterm_to_a_worker_or_the_coordinator_saves_every_rank(
-    tmp_path: Path, target: str
+def read_until(proc: subprocess.Popen[str], needle: str) -> str:
+    """``proc``'s output up to the line holding ``needle`` (all of it if never)."""
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if needle in line:
+            break
+    return "".join(seen)
+
+
+@pytest.mark.parametrize(
+    ("target", "signum"),
+    [
+        ("worker", signal.SIGTERM),
+        ("coordinator", signal.SIGTERM),
+        ("worker", signal.SIGHUP),
+        ("coordinator", signal.SIGHUP),
+    ],
+    ids=["worker-SIGTERM", "coordinator-SIGTERM", "worker-SIGHUP", "coordinator-SIGHUP"],
+)
+def test_a_stop_signal_to_a_worker_or_the_coordinator_saves_every_rank(
+    tmp_path: Path, target: str, signum: signal.Signals
 ) -> None:
+    """SIGHUP (an ssh session that drops) is sent twice, as a closing terminal may: the second
+    neither kills the worker nor stops the coordinator at once."""
     coordinator, workers = _multihost(tmp_path)
     procs = [coordinator, *workers]
     timers = [threading.Timer(120, p.kill) for p in procs]
     for timer in timers:
         timer.start()
+    signalled = workers[1] if target == "worker" else coordinator
+    said = "asking the coordinator" if target == "worker" else "every rank saves its bundle"
+    before = ""
     try:
-        assert workers[1].stdout is not None
-        for line in workers[1].stdout:
-            if "epoch 1 started" in line:
-                break
-        (workers[1] if target == "worker" else coordinator).send_signal(signal.SIGTERM)
+        read_until(workers[1], "epoch 1 started")
+        signalled.send_signal(signum)
+        if signum == signal.SIGHUP:
+            before = read_until(signalled, f"flodl: SIGHUP: {said}")
+            signalled.send_signal(signum)
         outputs = [p.communicate()[0] for p in procs]
+        outputs[procs.index(signalled)] = before + outputs[procs.index(signalled)]
     finally:
         for proc, timer in zip(procs, timers, strict=True):
             timer.cancel()
@@ -282,11 +311,14 @@ def test_sigterm_to_a_worker_or_the_coordinator_saves_every_rank(
                 proc.kill()
             proc.wait()
     assert [p.returncode for p in procs] == [0, 0, 0], outputs
-    asked = "rank 1 asked to stop" if target == "worker" else "stop requested (SIGTERM)"
+    asked = "rank 1 asked to stop" if target == "worker" else f"stop requested ({signum.name})"
     assert "flodl: run stopped, every rank asked to save (save_reason GRACEFUL)" in outputs[0]
     assert asked in outputs[0], outputs[0]
     if target == "worker":
-        assert "flodl: SIGTERM: asking the coordinator to save every rank" in outputs[2]
+        assert f"flodl: {signum.name}: asking the coordinator to save every rank" in outputs[2]
+    summary = json.loads((tmp_path / "coordinator" / "summary.json").read_text())
+    expected = [signum.name] * (2 if signum == signal.SIGHUP else 1)
+    assert summary["signals"] == ([] if target == "worker" else expected)
     for rank in range(2):
         assert "coordinator asked to save and stop: GRACEFUL (saved to" in outputs[1 + rank]
         saved = tmp_path / f"host{rank}" / "checkpoints" / f"rank{rank}"
