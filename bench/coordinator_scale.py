@@ -688,7 +688,9 @@ class RankLoop:
             elif isinstance(step, SaveCheckpoint):
                 after = machine.checkpoint_finished(step.request, 0.0, None)
             elif isinstance(step, SaveAndStop):
-                after = machine.save_finished("a simulated rank has nothing to save")
+                after = machine.save_finished(
+                    "a simulated rank has nothing to save", 0.0, "simulated"
+                )
             else:
                 machine.leave_boundary(now)
                 self.waiting = False

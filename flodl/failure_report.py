@@ -387,6 +387,17 @@ def print_root_cause(summary: dict[str, Any], out: TextIO) -> None:
 # --- flodl coordinator ----------------------------------------------------------------------
 
 
+def _reported_save(reports: dict[int, Any], rank: int) -> dict[str, Any]:
+    """What ``rank`` reported of the bundle a save asked of it (nothing when none was asked):
+    ``bundle`` (its stem's path on the rank's host) and ``save_error``."""
+    if rank not in reports:
+        return {}
+    report = reports[rank]
+    if report is None:
+        return {"bundle": None, "save_error": "no report (the rank left or was lost first)"}
+    return {"bundle": report.path, "save_error": report.error}
+
+
 def coordinator_summary(
     machine: CoordinatorMachine,
     stops: StopSignals,
@@ -416,6 +427,7 @@ def coordinator_summary(
                 "syncs": stats.syncs,
                 "lost_unix": unix(stats.lost_at),
                 "loss_cause": stats.loss_cause,
+                **_reported_save(machine.stop_saves, rank),
             }
         )
     deaths = [

@@ -20,7 +20,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
@@ -31,6 +31,11 @@ from flodl.hangup import reader_gone, stop_signals
 if TYPE_CHECKING:
     from flodl.coordinator import Coordinator
     from flodl.launcher import RankProcess
+    from flodl.wire.messages import CheckpointResult
+
+SAVE_REPORTS_WAIT_S = 60.0
+"""How long ``flodl coordinator`` waits, after a save went out, for every rank to report its
+bundle and hang up (a second signal stops the wait)."""
 
 __all__ = [
     "LinePrinter",
@@ -195,19 +200,38 @@ async def coordinate(coordinator: Coordinator, stops: StopSignals | None = None)
         says = ("stop at once", "stopping at once; ranks still saving lose their work")
         await nursery.start(watch_signals, coordinator, stops, nursery.cancel_scope.cancel, says)
         await coordinator.wait_finished()
+        if coordinator.machine.outcome.save_reason is not None:
+            # Each rank reports its bundle before it hangs up: wait for the reports.
+            with trio.move_on_after(SAVE_REPORTS_WAIT_S):
+                await coordinator.wait_all_hung_up()
         nursery.cancel_scope.cancel()
     outcome = coordinator.machine.outcome
     why = outcome.message + (f" ({stops.received[0]})" if stops.received else "")
     if stops.killed:
         return f"flodl: run stopped at once by a second {stops.received[-1]}: {why}", 1
     if outcome.save_reason is not None:
-        # The bundles are on the ranks' hosts: each rank's output says whether it saved.
+        # The bundles are on the ranks' hosts: what each rank reported (its output says more).
         return (
             f"flodl: run stopped, every rank asked to save (save_reason "
-            f"{outcome.save_reason.name}): {why}; each rank writes its bundle on its own host",
+            f"{outcome.save_reason.name}): {why}; {_reported(coordinator.machine.stop_saves)}",
             0 if outcome.save_reason.name == "GRACEFUL" else 1,
         )
     return (
         f"flodl: run {outcome.status.value} {why}",
         0 if outcome.status.value == "completed" else 1,
     )
+
+
+def _reported(reports: Mapping[int, CheckpointResult | None]) -> str:
+    """What the ranks asked to save reported, in words."""
+    saved = [rank for rank, report in reports.items() if report and report.error is None]
+    failed = [rank for rank, report in reports.items() if report and report.error]
+    silent = [rank for rank, report in reports.items() if report is None]
+    parts = [f"ranks {_listed(saved)} saved on their own hosts"] if saved else []
+    parts += [f"ranks {_listed(failed)} could not save (see their output)"] if failed else []
+    parts += [f"ranks {_listed(silent)} did not report a save"] if silent else []
+    return "; ".join(parts) or "no rank was connected to save"
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))

@@ -308,7 +308,9 @@ class ScriptedRank:
             elif isinstance(step, SaveCheckpoint):
                 await self._perform(channel, machine.checkpoint_finished(step.request, 0.0, None))
             elif isinstance(step, SaveAndStop):
-                await self._perform(channel, machine.save_finished("simulated, nothing saved"))
+                await self._perform(
+                    channel, machine.save_finished("simulated, nothing saved", 0.0, "simulated")
+                )
             elif isinstance(step, SaveOnLoss):
                 await self._perform(channel, machine.loss_save_finished("simulated, not saved"))
 

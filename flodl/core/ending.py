@@ -11,7 +11,13 @@ the round in flight to settle, up to the heartbeat timeout (:meth:`Ending.save_w
 a rank stopped in the middle of a collective strands its peers in it, and each then waits out
 the collective timeout before it can exit, longer than the launcher's exit grace. A run whose
 world never formed *fails*: every rank still connected gets ``Abort`` with the reason, so no
-rank's script takes the end for a completed run. Pure: no clocks, no I/O.
+rank's script takes the end for a completed run.
+
+After a save went out, each rank that was asked reports its bundle before it leaves
+(``CheckpointResult`` with version :data:`~flodl.wire.messages.STOP_SAVE_VERSION`): the
+timeline records each report (``CheckpointSaved``) and, once every rank asked has reported, a
+last ``Shutdown`` saying which ranks saved, so a saved run's event log has an end as a completed
+one has. Pure: no clocks, no I/O.
 """
 
 from __future__ import annotations
@@ -26,7 +32,14 @@ from flodl.core.liveness import Liveness, unrecoverable_reason
 from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
 from flodl.wire.fields import MAX_TEXT
-from flodl.wire.messages import Abort, Message, SaveReason, Shutdown, ShutdownWithSave
+from flodl.wire.messages import (
+    Abort,
+    CheckpointResult,
+    Message,
+    SaveReason,
+    Shutdown,
+    ShutdownWithSave,
+)
 
 __all__ = ["Ending", "Outcome", "Status"]
 
@@ -65,6 +78,8 @@ class Ending:
         """A Shutdown waits for the round in flight to settle."""
         self.held_save: tuple[SaveReason, str, float] | None = None
         """A save that waits for the round in flight: its reason, why, and until when."""
+        self.stop_saves: dict[int, CheckpointResult | None] = {}
+        """After a save went out: each rank asked -> its report (None until it reports)."""
 
     @property
     def over(self) -> bool:
@@ -86,7 +101,34 @@ class Ending:
         """End the run with a save, at once."""
         self.outcome = Outcome(Status.SAVED, reason, why)
         self._timeline.add(now, EventKind.SAVE_REQUESTED, reason=reason.name, why=why)
+        self.stop_saves = dict.fromkeys(sorted(self._liveness.alive_view))
         return [Broadcast(ShutdownWithSave(reason=reason))]
+
+    def on_stop_save(self, rank: int, result: CheckpointResult, now: float) -> None:
+        """``rank`` reports the bundle it wrote for the save (or why it could not): recorded;
+        the last report of the ranks asked ends the timeline with ``Shutdown``. A report from a
+        rank not asked, or a second one, is ignored."""
+        if rank not in self.stop_saves or self.stop_saves[rank] is not None:
+            return
+        self.stop_saves[rank] = result
+        self._timeline.add(
+            now,
+            EventKind.CHECKPOINT_SAVED,
+            rank=rank,
+            version=result.version,
+            elapsed_ms=result.elapsed_ms,
+            error=result.error,
+            path=result.path,
+        )
+        reports = self.stop_saves.values()
+        if any(report is None for report in reports):
+            return
+        saved = [r for r, report in self.stop_saves.items() if report and report.error is None]
+        failed = [r for r, report in self.stop_saves.items() if report and report.error]
+        why = f"ended with a save ({self.outcome.message}): ranks {_listed(saved)} saved"
+        if failed:
+            why += f"; ranks {_listed(failed)} could not save"
+        self._timeline.add(now, EventKind.SHUTDOWN, why=why)
 
     def save_when_settled(self, reason: SaveReason, now: float, why: str) -> list[Broadcast]:
         """End the run with a save once the round in flight settles (at once when none is),
@@ -134,3 +176,7 @@ class Ending:
         self.outcome = Outcome(Status.FAILED, None, why)
         self._timeline.add(now, EventKind.SHUTDOWN, why=why)
         return [Broadcast(Abort(reason=why[:MAX_TEXT]))]
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks)) if ranks else "none"

@@ -47,6 +47,7 @@ from flodl.core.rounds import Due, ResumeState, Rounds
 from flodl.core.settings import MachineSettings
 from flodl.core.timeline import EventKind, Timeline
 from flodl.wire.messages import (
+    STOP_SAVE_VERSION,
     Batch,
     Batches,
     CheckpointResult,
@@ -179,6 +180,11 @@ class CoordinatorMachine:
         return self.ending.outcome
 
     @property
+    def stop_saves(self) -> dict[int, CheckpointResult | None]:
+        """After a save went out: each rank asked -> the bundle it reported (None: not yet)."""
+        return self.ending.stop_saves
+
+    @property
     def members(self) -> tuple[int, ...]:
         return self.membership.members
 
@@ -277,6 +283,8 @@ class CoordinatorMachine:
         """One message from ``rank`` (whose identity the shell verified)."""
         self.liveness.on_frame(rank, now)
         if self.finished:
+            if isinstance(message, CheckpointResult) and message.version == STOP_SAVE_VERSION:
+                self.ending.on_stop_save(rank, message, now)
             return []
         if isinstance(message, Batch):
             return self._on_batch(rank, message, now)

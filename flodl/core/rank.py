@@ -73,6 +73,7 @@ from flodl.core.rank_work import RankWork
 from flodl.core.work import BatchSlice
 from flodl.errors import ConfigError, FlodlError, OutOfTurn, UnexpectedMessage
 from flodl.wire.messages import (
+    STOP_SAVE_VERSION,
     Abort,
     Batch,
     Batches,
@@ -436,8 +437,13 @@ class RankMachine:
                     return SaveCheckpoint(message)
         return None
 
-    def _goodbye(self, why: str) -> list[RankEffect]:
-        return self._out([Send(Note(rank=self.rank, detail=why)), Send(Exiting(rank=self.rank))])
+    def _goodbye(self, why: str, first: Send | None = None) -> list[RankEffect]:
+        """Note(why) and Exiting, after ``first`` when given."""
+        bye: list[RankEffect] = [
+            Send(Note(rank=self.rank, detail=why)),
+            Send(Exiting(rank=self.rank)),
+        ]
+        return self._out(bye if first is None else [first, *bye])
 
     # --- batches -------------------------------------------------------------------------
 
@@ -598,12 +604,23 @@ class RankMachine:
         self.life.saved_after_loss(outcome)
         return []
 
-    def save_finished(self, outcome: str) -> list[RankEffect]:
-        """The bundle for ShutdownWithSave was written (``outcome`` says where, or why not):
-        goodbye; the next boundary raises ShutdownRequested to the loop."""
+    def save_finished(
+        self, outcome: str, elapsed_ms: float, error: str | None, path: str | None = None
+    ) -> list[RankEffect]:
+        """The bundle for ShutdownWithSave was written to ``path`` (or not: ``error``;
+        ``outcome`` says either in words): its CheckpointResult (version
+        :data:`~flodl.wire.messages.STOP_SAVE_VERSION`), then goodbye; the next boundary raises
+        ShutdownRequested to the loop."""
         self._finish_step("save_finished", SaveAndStop)
         reason = self.life.saved(outcome)
-        return self._goodbye(f"saving and stopping: {reason.name}")
+        result = CheckpointResult(
+            rank=self.rank,
+            version=STOP_SAVE_VERSION,
+            elapsed_ms=elapsed_ms,
+            error=error,
+            path=path,
+        )
+        return self._goodbye(f"saving and stopping: {reason.name}", first=Send(result))
 
 
 def _finite(value: float) -> float | None:

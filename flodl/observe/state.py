@@ -121,6 +121,8 @@ class RunView:
         self.world_size = world_size
         self.ranks = {rank: RankRow(rank) for rank in range(world_size)}
         self.status = "joining"
+        self.saving = False
+        """A save was asked for (``SaveRequested``): the run ends short of its epochs."""
         self.t = 0.0
         """Time of the latest record (seconds since the coordinator started)."""
         self.round = 0
@@ -231,8 +233,13 @@ class RunView:
         if isinstance(loss, int | float):
             self.last_loss = float(loss)
 
+    def _save_requested(self, record: Mapping[str, Any]) -> None:
+        self.saving = True
+
     def _shutdown(self, record: Mapping[str, Any]) -> None:
         self.status = "finished"
+        if self.saving:  # stopped short with a save: the ranks are not done with their epochs
+            return
         for row in self.ranks.values():
             if row.state == "training":
                 row.state = "done"
@@ -309,5 +316,6 @@ _HANDLERS = {
     "RankDead": RunView._dead,
     "GroupReformed": RunView._regrouped,
     "EpochAggregated": RunView._epoch,
+    "SaveRequested": RunView._save_requested,
     "Shutdown": RunView._shutdown,
 }

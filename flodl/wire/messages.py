@@ -288,9 +288,15 @@ class Intent(Message):
     kind: IntentKind = int_enum(IntentKind)
 
 
+STOP_SAVE_VERSION = 0
+"""The ``CheckpointResult`` version of the bundle a rank wrote for ``ShutdownWithSave``
+(numbered checkpoints start at 1)."""
+
+
 @attrs.frozen
 class CheckpointResult(Message):
-    """``rank`` wrote (or failed to write) checkpoint ``version``."""
+    """``rank`` wrote (or failed to write) checkpoint ``version``, or (version
+    :data:`STOP_SAVE_VERSION`) the bundle ``ShutdownWithSave`` asked for."""
 
     TAG: ClassVar[int] = 71
     rank: int = u64()

@@ -100,9 +100,16 @@ class BundleSaver:
         return effects
 
     async def save_and_stop(self, reason: str) -> list[RankEffect]:
-        """The SaveAndStop step: the bundle (or why it failed); the machine's goodbye."""
+        """The SaveAndStop step: the bundle (or why it failed); the machine's report of it
+        and goodbye."""
+        started = trio.current_time()
+        error: str | None = None
+        path: str | None = None
         try:
-            outcome = f"saved to {await self.save(reason)}"
+            path = str(await self.save(reason))
+            outcome = f"saved to {path}"
         except CheckpointError as err:
+            error = str(err)
             outcome = f"the save failed: {err}"
-        return self._machine.save_finished(outcome)
+        elapsed_ms = (trio.current_time() - started) * 1000.0
+        return self._machine.save_finished(outcome, elapsed_ms, error, path)

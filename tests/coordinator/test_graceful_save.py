@@ -97,3 +97,37 @@ async def test_a_stop_asked_for_between_rounds_is_sent_at_once(autojump_clock: M
         await cluster.wait_ranks_done()
     (saved_at,) = times_of(cluster, EventKind.SAVE_REQUESTED)
     assert saved_at == max(times_of(cluster, EventKind.SYNC_END))
+
+
+async def test_a_saved_run_records_each_ranks_report_and_then_its_end(
+    autojump_clock: MockClock,
+) -> None:
+    """After ShutdownWithSave each rank reports its bundle (version 0); the last report ends
+    the timeline with Shutdown naming who saved, as a completed run's timeline ends. The
+    simulated ranks save nothing and say so."""
+    scripts = [RankScript(ms_per_batch=10) for _ in range(3)]
+    async with open_cluster(scripts, dataset_size=20_000, config=CONFIG) as cluster:
+        ended = trio.Event()
+
+        def sink(_seq: int, event: TimelineEvent) -> None:
+            if event.kind is EventKind.SHUTDOWN:
+                ended.set()
+
+        cluster.coordinator.add_event_sink(sink)
+        await round_started(cluster).wait()
+        cluster.coordinator.request_stop(save=True)
+        await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+        with trio.fail_after(5):
+            await ended.wait()
+    events = list(cluster.coordinator.timeline)
+    kinds = [e.kind for e in events]
+    after_save = events[kinds.index(EventKind.SAVE_REQUESTED) + 1 :]
+    reports = [e for e in after_save if e.kind is EventKind.CHECKPOINT_SAVED]
+    assert sorted(e.detail["rank"] for e in reports) == [0, 1, 2]
+    assert {(e.detail["version"], e.detail["error"]) for e in reports} == {(0, "simulated")}
+    assert after_save[-1].kind is EventKind.SHUTDOWN and kinds.count(EventKind.SHUTDOWN) == 1
+    assert after_save[-1].detail["why"] == (
+        "ended with a save (stop requested): ranks none saved; ranks 0, 1, 2 could not save"
+    )
+    assert cluster.coordinator.machine.outcome.status is Status.SAVED  # the end is unchanged

@@ -185,7 +185,7 @@ def drive_boundary(
         elif isinstance(step, SaveCheckpoint):
             out.effects += machine.checkpoint_finished(step.request, 7.0, None)
         elif isinstance(step, SaveAndStop):
-            out.effects += machine.save_finished(save_outcome)
+            out.effects += machine.save_finished(save_outcome, 5.0, None, "/runs/bundle")
         elif isinstance(step, SaveOnLoss):
             out.effects += machine.loss_save_finished(save_outcome)
         else:  # pragma: no cover - every step kind is handled above
@@ -641,8 +641,9 @@ def test_shutdown_with_save_saves_then_says_goodbye_then_raises_with_the_reason(
     assert state_of(machine) is RankState.SAVING
     with pytest.raises(OutOfTurn):
         machine.boundary(1.5)  # nothing to do while the bundle is written
-    bye = machine.save_finished("saved to /runs/r1")
+    bye = machine.save_finished("saved to /runs/r1", 30.0, None, "/runs/r1")
     assert bye == [
+        Send(CheckpointResult(rank=1, version=0, elapsed_ms=30.0, error=None, path="/runs/r1")),
         Send(Note(rank=1, detail="saving and stopping: REDUCE_STALL")),
         Send(Exiting(rank=1)),
     ]
@@ -656,7 +657,7 @@ def test_shutdown_with_save_saves_then_says_goodbye_then_raises_with_the_reason(
         assert error.reason is SaveReason.REDUCE_STALL
         assert "REDUCE_STALL" in str(error) and "saved to /runs/r1" in str(error)
     with pytest.raises(OutOfTurn):
-        machine.save_finished("again")
+        machine.save_finished("again", 1.0, None, "/runs/r1")
 
 
 def test_a_second_shutdown_of_either_kind_changes_nothing() -> None:
@@ -750,7 +751,8 @@ def test_connection_lost_while_saving_still_stops_after_the_save() -> None:
     machine.enter_boundary(0.0)
     machine.boundary(0.0)
     assert machine.connection_lost(CoordinatorError("gone")) == []
-    assert [type(m) for m in sent(machine.save_finished("saved"))] == [Note, Exiting]
+    bye = sent(machine.save_finished("saved", 1.0, None, "/runs/bundle"))
+    assert [type(m) for m in bye] == [CheckpointResult, Note, Exiting]
     assert state_of(machine) is RankState.STOPPED
 
 

@@ -42,6 +42,7 @@ from flodl.wire.messages import (
     Abort,
     Batch,
     Checkpoint,
+    CheckpointResult,
     CoordHeartbeat,
     DeclareDead,
     EpochAggregated,
@@ -94,7 +95,7 @@ def machine_in(state: RankState, policy: Policy = Policy.CADENCE) -> RankMachine
         machine.enter_boundary(1.0)
         machine.boundary(1.0)  # goodbye, or the save begins
         if state is S.STOPPED:
-            machine.save_finished("saved to /runs/bundle")
+            machine.save_finished("saved to /runs/bundle", 1.0, None, "/runs/bundle")
         machine.leave_boundary(1.0)
     assert state_of(machine) is state
     assert machine.current is None and machine.queued == 0 and not machine.throttled
@@ -255,7 +256,8 @@ def test_each_message_while_ending(state: RankState, name: str) -> None:
         assert (reactions, after) == ([], Seen(state))
     # And the way out is the same as without the message.
     if state is S.SAVING:
-        assert [type(m) for m in sent(machine.save_finished("saved"))] == [Note, Exiting]
+        bye = sent(machine.save_finished("saved", 1.0, None, "/runs/bundle"))
+        assert [type(m) for m in bye] == [CheckpointResult, Note, Exiting]
         assert state_of(machine) is S.STOPPED
         return
     steps = next_batch(machine, 5.0).steps
@@ -377,7 +379,7 @@ def test_boundary_outside_enter_and_leave_is_out_of_turn(state: RankState) -> No
 def test_save_finished_when_not_saving_is_out_of_turn(state: RankState) -> None:
     machine = machine_in(state)
     with pytest.raises(OutOfTurn, match="save_finished"):
-        machine.save_finished("saved")
+        machine.save_finished("saved", 1.0, None, "/runs/bundle")
     assert state_of(machine) is state
 
 

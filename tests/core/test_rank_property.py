@@ -40,6 +40,7 @@ from flodl.core.rank_state import RankState
 from flodl.core.work import BatchSlice
 from flodl.errors import ShutdownRequested
 from flodl.wire.messages import (
+    STOP_SAVE_VERSION,
     Batch,
     Batches,
     Checkpoint,
@@ -240,7 +241,9 @@ class Run:
             elif isinstance(step, SaveCheckpoint):
                 self.perform(machine.checkpoint_finished(step.request, 3.0, None))
             elif isinstance(step, SaveAndStop):
-                self.perform(machine.save_finished("saved to /runs/bundle"))
+                self.perform(
+                    machine.save_finished("saved to /runs/bundle", 2.0, None, "/runs/bundle")
+                )
             elif isinstance(step, SaveOnLoss):
                 self.perform(machine.loss_save_finished("saved to /runs/own"))
             else:
@@ -413,8 +416,12 @@ def test_a_random_legal_run_trains_every_sample_once_and_reports_it(
 
     # A checkpoint for this rank was answered once; one for another rank never.
     results = [m for m in run.received if isinstance(m, CheckpointResult)]
+    numbered = [m for m in results if m.version != STOP_SAVE_VERSION]
     targeted = run.checkpoint is not None and run.checkpoint.target_rank == rank
-    assert len(results) == (1 if targeted else 0)
+    assert len(numbered) == (1 if targeted else 0)
+    # The stop's bundle is reported once, just before the goodbye, when a save was asked.
+    stop_saves = [m for m in results if m.version == STOP_SAVE_VERSION]
+    assert stop_saves == ([run.received[-3]] if with_save else [])
 
     # What the coordinator set reached the rank.
     assert machine.global_step == run.global_step

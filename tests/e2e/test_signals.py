@@ -140,6 +140,16 @@ def assert_saved_by_every_rank(launcher: Launcher, nproc: int, signal_name: str)
     assert f"flodl: {signal_name}: every rank saves its bundle, then stops" in launcher.output
     assert "KeyboardInterrupt" not in launcher.output
     assert "flodl: run saved (saved: GRACEFUL)" in launcher.output
+    # The event log ends as a completed run's does: each rank's report, then Shutdown.
+    events = [
+        json.loads(line) for line in (launcher.run_dir / "events.jsonl").read_text().splitlines()
+    ]
+    after_save = events[[e["kind"] for e in events].index("SaveRequested") + 1 :]
+    reports = {e["rank"]: e["path"] for e in after_save if e["kind"] == "CheckpointSaved"}
+    assert reports == {rank["rank"]: rank["bundle"] for rank in summary["ranks"]}
+    ranks = ", ".join(map(str, range(nproc)))
+    assert after_save[-1]["kind"] == "Shutdown"
+    assert after_save[-1]["why"].endswith(f"ranks {ranks} saved"), after_save[-1]
     launcher.assert_no_process_left()
 
 
@@ -316,9 +326,13 @@ def test_a_stop_signal_to_a_worker_or_the_coordinator_saves_every_rank(
     assert asked in outputs[0], outputs[0]
     if target == "worker":
         assert f"flodl: {signum.name}: asking the coordinator to save every rank" in outputs[2]
+    assert "; ranks 0, 1 saved on their own hosts" in outputs[0], outputs[0]
     summary = json.loads((tmp_path / "coordinator" / "summary.json").read_text())
     expected = [signum.name] * (2 if signum == signal.SIGHUP else 1)
     assert summary["signals"] == ([] if target == "worker" else expected)
+    for rank, entry in enumerate(summary["ranks"]):  # as each rank reported it
+        assert entry["save_error"] is None
+        assert entry["bundle"].startswith(str(tmp_path / f"host{rank}" / "checkpoints"))
     for rank in range(2):
         assert "coordinator asked to save and stop: GRACEFUL (saved to" in outputs[1 + rank]
         saved = tmp_path / f"host{rank}" / "checkpoints" / f"rank{rank}"

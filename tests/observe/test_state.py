@@ -116,6 +116,20 @@ def test_a_death_and_a_regroup_change_the_rows_and_are_told_in_recent() -> None:
     assert [r["state"] for r in state["ranks"]] == ["done", "done", "dead"]
 
 
+def test_a_run_that_ended_with_a_save_never_shows_its_ranks_done() -> None:
+    """Its last Shutdown comes after every rank reported its bundle: the ranks stopped short
+    of their epochs, which the views say ("stopped"), not "done"."""
+    view = RunView(2)
+    view.apply(started(0.0))
+    view.apply(record("SaveRequested", 3.0, reason="GRACEFUL", why="stop requested"))
+    for rank in (0, 1):
+        view.apply(record("CheckpointSaved", 3.1, rank=rank, version=0, elapsed_ms=20.0))
+    view.apply(record("Shutdown", 3.1, why="ended with a save (stop requested): ranks 0, 1 saved"))
+    state = view.snapshot()
+    assert state["status"] == "finished"
+    assert [r["state"] for r in state["ranks"]] == ["training", "training"]  # shown "stopped"
+
+
 def test_which_events_are_notable() -> None:
     assert is_notable(record("RankDead", 1.0, rank=1))
     assert is_notable(record("RankJoined", 1.0, rank=1, rejoin=True))

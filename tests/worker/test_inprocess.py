@@ -351,7 +351,9 @@ async def test_checkpoint_then_shutdown_with_save(tmp_path: Path) -> None:
     first_result = next(m for m in received if isinstance(m, CheckpointResult))
     assert received.index(reports[0]) < received.index(first_result)
     results = [m for m in received if isinstance(m, CheckpointResult)]
-    assert [(r.version, r.error) for r in results] == [(3, None)]
+    assert [(r.version, r.error) for r in results] == [(3, None), (0, None)]  # 0: the stop's
+    assert results[1] is received[-3] and results[1].path is not None
+    assert Path(results[1].path + ".meta.json").is_file()
     assert isinstance(received[-1], Exiting) and isinstance(received[-2], Note)
     from flodl.checkpoint import load_bundle
 
