@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import attrs
 import trio
 
+from flodl.core.ending import listed_ranks
 from flodl.hangup import reader_gone, stop_signals
 
 if TYPE_CHECKING:
@@ -227,11 +228,7 @@ def _reported(reports: Mapping[int, CheckpointResult | None]) -> str:
     saved = [rank for rank, report in reports.items() if report and report.error is None]
     failed = [rank for rank, report in reports.items() if report and report.error]
     silent = [rank for rank, report in reports.items() if report is None]
-    parts = [f"ranks {_listed(saved)} saved on their own hosts"] if saved else []
-    parts += [f"ranks {_listed(failed)} could not save (see their output)"] if failed else []
-    parts += [f"ranks {_listed(silent)} did not report a save"] if silent else []
+    parts = [f"ranks {listed_ranks(saved)} saved on their own hosts"] if saved else []
+    parts += [f"ranks {listed_ranks(failed)} could not save (see their output)"] if failed else []
+    parts += [f"ranks {listed_ranks(silent)} did not report a save"] if silent else []
     return "; ".join(parts) or "no rank was connected to save"
-
-
-def _listed(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))

@@ -41,7 +41,7 @@ from flodl.wire.messages import (
     ShutdownWithSave,
 )
 
-__all__ = ["Ending", "Outcome", "Status"]
+__all__ = ["Ending", "Outcome", "Status", "listed_ranks"]
 
 
 class Status(enum.Enum):
@@ -125,9 +125,9 @@ class Ending:
             return
         saved = [r for r, report in self.stop_saves.items() if report and report.error is None]
         failed = [r for r, report in self.stop_saves.items() if report and report.error]
-        why = f"ended with a save ({self.outcome.message}): ranks {_listed(saved)} saved"
+        why = f"ended with a save ({self.outcome.message}): ranks {listed_ranks(saved)} saved"
         if failed:
-            why += f"; ranks {_listed(failed)} could not save"
+            why += f"; ranks {listed_ranks(failed)} could not save"
         self._timeline.add(now, EventKind.SHUTDOWN, why=why)
 
     def save_when_settled(self, reason: SaveReason, now: float, why: str) -> list[Broadcast]:
@@ -178,5 +178,6 @@ class Ending:
         return [Broadcast(Abort(reason=why[:MAX_TEXT]))]
 
 
-def _listed(ranks: list[int]) -> str:
+def listed_ranks(ranks: list[int]) -> str:
+    """``0, 1, 2`` (``none`` for no rank)."""
     return ", ".join(map(str, ranks)) if ranks else "none"

@@ -8,10 +8,9 @@ every rank of the run, this one included, writes its bundle (``ShutdownWithSave(
 ``rank.batches()`` raises ``ShutdownRequested``. A second SIGINT or SIGTERM is not caught: the
 rank dies of it as it would have without flodl (SIGINT as ``KeyboardInterrupt``). SIGHUP is
 ignored from then on, for the rest of the process: a closing terminal may send it twice, and
-the save must go on. A rank
-started with SIGHUP ignored (``nohup``) keeps it ignored (:mod:`flodl.hangup`). Under ``flodl
-run`` the launcher owns the signals (ranks run in sessions of their own) and none of this is
-installed.
+the save must go on. A rank started with SIGHUP ignored (``nohup``) keeps it ignored
+(:mod:`flodl.hangup`). Under ``flodl run`` the launcher owns the signals (ranks run in sessions
+of their own) and none of this is installed.
 
 The handlers live in the script's main thread (Python runs signal handlers there only, and the
 rank's trio loop runs in a thread of its own); each hands the request to that loop.
