@@ -39,8 +39,9 @@ class OnTerminal:
         def become_terminal_session() -> None:
             os.setsid()
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-            if ignore_hangup:  # what nohup does before it runs the command
-                signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            # As a terminal's shell starts a command; nohup ignores SIGHUP first. (The test
+            # runner itself may run with SIGHUP ignored, which its children would inherit.)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN if ignore_hangup else signal.SIG_DFL)
 
         argv = [sys.executable, "-m", "flodl.cli", "run", "--nproc", "2"]
         argv += ["--run-dir", str(run_dir), *args]

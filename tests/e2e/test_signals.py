@@ -237,6 +237,12 @@ def test_ranks_do_not_outlive_a_sigkilled_launcher(tmp_path: Path) -> None:
 # --- flodl coordinator / flodl worker -------------------------------------------------------------
 
 
+def hangup_as_a_shell_leaves_it() -> None:
+    """SIGHUP at its default, as a terminal's shell starts a command: the test runner itself
+    may run with SIGHUP ignored, which its children would inherit (and then keep, as nohup)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _multihost(tmp_path: Path) -> tuple[subprocess.Popen[str], list[subprocess.Popen[str]]]:
     env = dict(os.environ, FLODL_SESSION_KEY=secrets.token_hex(32))
     flodl = [sys.executable, "-m", "flodl.cli"]
@@ -250,6 +256,7 @@ def _multihost(tmp_path: Path) -> tuple[subprocess.Popen[str], list[subprocess.P
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=hangup_as_a_shell_leaves_it,
     )
     assert coordinator.stdout is not None
     url = re.search(r"tcp://127\.0\.0\.1:\d+", coordinator.stdout.readline())
@@ -266,6 +273,7 @@ def _multihost(tmp_path: Path) -> tuple[subprocess.Popen[str], list[subprocess.P
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            preexec_fn=hangup_as_a_shell_leaves_it,
         )
         for rank in range(2)
     ]
