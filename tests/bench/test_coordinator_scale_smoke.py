@@ -142,7 +142,7 @@ async def test_a_simulated_rank_is_its_machine_on_the_grid() -> None:
     assert loop.heartbeat(first + 1.2) == [Heartbeat(rank=0, step_count=4)]
     # A rank waiting for work says goodbye on ShutdownWithSave, and is done.
     goodbye = loop.receive(ShutdownWithSave(reason=SaveReason.GRACEFUL), first + 1.2)
-    assert kinds(goodbye) == ["Note", "Exiting"]
+    assert kinds(goodbye) == ["CheckpointResult", "Note", "Exiting"]  # nothing saved, said so
     assert loop.over and loop.heartbeat(first + 2.2) == []
 
 
@@ -207,8 +207,12 @@ def test_both_modes_with_eight_ranks_for_two_seconds(tmp_path: Path) -> None:
         [*command, str(output)], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert "disconnected" not in done.stderr  # every connection ended cleanly
     result = json.loads(output.read_text())
+    # Every connection ended cleanly but the killed rank's: the coordinator may write to it
+    # (say ExtendPartition) before it reads the close, and logs that send's broken pipe.
+    killed = result["modes"]["split"]["counts"][0]["membership_change"]["killed_rank"]
+    disconnects = [line for line in done.stderr.splitlines() if "disconnected" in line]
+    assert all(line.startswith(f"rank {killed} disconnected") for line in disconnects), disconnects
     assert set(result["modes"]) == {"split", "inprocess"}
     split, inprocess = result["modes"]["split"], result["modes"]["inprocess"]
     for section in (split, inprocess):
