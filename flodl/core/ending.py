@@ -41,7 +41,7 @@ from flodl.wire.messages import (
     ShutdownWithSave,
 )
 
-__all__ = ["Ending", "Outcome", "Status", "listed_ranks"]
+__all__ = ["Ending", "Outcome", "Status", "listed_ranks", "record_save"]
 
 
 class Status(enum.Enum):
@@ -111,15 +111,7 @@ class Ending:
         if rank not in self.stop_saves or self.stop_saves[rank] is not None:
             return
         self.stop_saves[rank] = result
-        self._timeline.add(
-            now,
-            EventKind.CHECKPOINT_SAVED,
-            rank=rank,
-            version=result.version,
-            elapsed_ms=result.elapsed_ms,
-            error=result.error,
-            path=result.path,
-        )
+        record_save(self._timeline, now, rank, result)
         reports = self.stop_saves.values()
         if any(report is None for report in reports):
             return
@@ -181,3 +173,16 @@ class Ending:
 def listed_ranks(ranks: list[int]) -> str:
     """``0, 1, 2`` (``none`` for no rank)."""
     return ", ".join(map(str, ranks)) if ranks else "none"
+
+
+def record_save(timeline: Timeline, now: float, rank: int, result: CheckpointResult) -> None:
+    """``rank``'s report of a bundle (a checkpoint's or the stop's) as a ``CheckpointSaved``."""
+    timeline.add(
+        now,
+        EventKind.CHECKPOINT_SAVED,
+        rank=rank,
+        version=result.version,
+        elapsed_ms=result.elapsed_ms,
+        error=result.error,
+        path=result.path,
+    )

@@ -39,7 +39,7 @@ import attrs
 
 from flodl.core.effects import Broadcast, Send
 from flodl.core.elche import ElChe
-from flodl.core.ending import Ending, Outcome, Status
+from flodl.core.ending import Ending, Outcome, Status, record_save
 from flodl.core.liveness import Liveness, LossCause, RankLost
 from flodl.core.membership import Membership
 from flodl.core.rendezvous import Rendezvous
@@ -314,15 +314,7 @@ class CoordinatorMachine:
                 return list(self.ending.save_when_settled(SaveReason.GRACEFUL, now, why))
             return []
         if isinstance(message, CheckpointResult):
-            self.timeline.add(
-                now,
-                EventKind.CHECKPOINT_SAVED,
-                rank=rank,
-                version=message.version,
-                elapsed_ms=message.elapsed_ms,
-                error=message.error,
-                path=message.path,
-            )
+            record_save(self.timeline, now, rank, message)
             return self._maybe_trigger(now) if self.rounds.on_checkpoint_result(message) else []
         if isinstance(message, Note):
             return []
