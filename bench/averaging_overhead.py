@@ -53,17 +53,10 @@ import torch.distributed as dist
 import trio
 from torch._C._distributed_c10d import ProcessGroupGloo
 
-from flodl.backends.averaging import (
-    HEADER,
-    FlatLayout,
-    bit_checksum,
-    divisors,
-    read_sums,
-    scaled_copy,
-)
+from flodl.averaging.kernels import NormSample, gap_piece, share_piece
+from flodl.averaging.mass import HEADER, FlatLayout, bit_checksum, divisors, read_sums, scaled_copy
 from flodl.backends.gloo import GlooBackend
 from flodl.backends.group import GroupInfo, connect_store, host_store
-from flodl.backends.kernels import NormSample, gap_piece, share_piece
 from flodl.backends.pipeline import BucketPlan, ScratchPool, _source, install, members
 
 HERE = Path(__file__).resolve()

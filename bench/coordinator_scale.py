@@ -6,12 +6,12 @@ Setup (one trio process, one thread, real clock): a real coordinator
 (:func:`flodl.coordinator.open_coordinator` on a fresh ``memory://`` name, default
 :class:`~flodl.config.CoordinatorConfig`) and N simulated ranks. The split mode (``--mode``)
 puts the ranks in load-generator processes on unix or tcp sockets instead, leaving the
-coordinator's process to it alone. Each simulated rank is a :class:`~flodl.core.rank.RankMachine`
-(the rank's side of the protocol, the machine a real worker drives) with a lean loop around it
-in place of training (:class:`RankLoop`). It connects with a real handshake and announces a job
-too large to end (``Ready``: 10**9 samples, batch size 1); the machine keeps the work protocol
-(work queue, ``Metrics`` completion frames, step counts, ``Throttle``, ``SyncAck``, the
-goodbye) and the loop supplies time:
+coordinator's process to it alone. Each simulated rank is a
+:class:`~flodl.core.rank.machine.RankMachine` (the rank's side of the protocol, the machine a real
+worker drives) with a lean loop around it in place of training (:class:`RankLoop`). It connects with
+a real handshake and announces a job too large to end (``Ready``: 10**9 samples, batch size 1); the
+machine keeps the work protocol (work queue, ``Metrics`` completion frames, step counts,
+``Throttle``, ``SyncAck``, the goodbye) and the loop supplies time:
 
 * its batches finish on a 10 Hz grid with a random phase per rank (so the ranks do not all
   report at once): at each grid tick the batch handed out is done and the rank asks its
@@ -103,11 +103,11 @@ import trio
 import trio.lowlevel
 
 from flodl.config import CoordinatorConfig
-from flodl.coordinator import open_coordinator
-from flodl.core.job import Job
-from flodl.core.machine import CoordinatorMachine, Effect
-from flodl.core.rank import MeasuredRound, RankMachine
-from flodl.core.rank_effects import (
+from flodl.coordinator.server import open_coordinator
+from flodl.core.common.job import Job
+from flodl.core.coordinator.machine import CoordinatorMachine, Effect
+from flodl.core.coordinator.timeline import EventKind, TimelineEvent
+from flodl.core.rank.effects import (
     Average,
     Finish,
     HandOut,
@@ -121,7 +121,7 @@ from flodl.core.rank_effects import (
     Wait,
     Wake,
 )
-from flodl.core.timeline import EventKind, TimelineEvent
+from flodl.core.rank.machine import MeasuredRound, RankMachine
 from flodl.errors import FlodlError, ShutdownRequested
 from flodl.transports import connect
 from flodl.transports.channel import RECEIVE_CHUNK, Channel, connect_rank
@@ -534,7 +534,7 @@ divergence or norms (split mode writes its send stamp into ``pre_norm``)."""
 
 
 class RankLoop:
-    """A simulated rank's training loop around its :class:`~flodl.core.rank.RankMachine`.
+    """A simulated rank's training loop around its :class:`~flodl.core.rank.machine.RankMachine`.
 
     No I/O: each call takes the time and returns the messages to send, in order; the shell
     (:class:`LeanRank`, :class:`WireRank`) sends them. The machine keeps the protocol (the
@@ -567,7 +567,7 @@ class RankLoop:
         schedule: Callable[[float], None],
     ) -> None:
         self.rank = rank
-        # The worker's protocol: reports coalesced (flodl.core.rank).
+        # The worker's protocol: reports coalesced (flodl.core.rank.machine).
         self.machine = RankMachine(rank, world_size, RANK_POLICY, coalesce=True)
         self.batch_phase = batch_phase
         self.recorder = recorder

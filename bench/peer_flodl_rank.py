@@ -1,6 +1,6 @@
 """One flodl rank of the peers bench: ``examples/digits.py``'s task, with the bench's records.
 
-Started by ``bench/peers_bench.py`` through :func:`flodl.launcher.launch` (what ``flodl run
+Started by ``bench/peers_bench.py`` through :func:`flodl.launch.launcher.launch` (what ``flodl run
 --nproc 3 --policy cadence --backend gloo`` runs). Same data, split, MLP (``64 -> hidden ->
 10``), Adam, batch and slowdown as ``examples/digits.py --slow RANK:FACTOR`` (and as the torchft
 worker, ``bench/peer_torchft_worker.py``), through the same sync API (``flodl.worker.join``).

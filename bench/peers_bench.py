@@ -5,7 +5,7 @@ the same run: ``examples/digits.py``'s data, split and MLP (64 -> 64 -> 10, Adam
 batch 16, 8 epochs), 3 processes, replica/rank 2 made 2.5x slower (it sleeps 1.5x each
 step's compute after the step), gloo on CPU, ``torch.set_num_threads(1)`` everywhere.
 
-* **flodl:** :func:`flodl.launcher.launch` (what ``flodl run --nproc 3 --policy cadence
+* **flodl:** :func:`flodl.launch.launcher.launch` (what ``flodl run --nproc 3 --policy cadence
   --backend gloo`` runs) of ``bench/peer_flodl_rank.py``, with the library's defaults
   (ElChe anchor 10, overhead target 0.05, idle fill, heartbeat 1 s / timeout 10 s).
 * **torchft 0.2.0:** a lighthouse (``torchft_lighthouse --min_replicas 2``) and 3
@@ -68,8 +68,9 @@ from benchenv import load
 from recovery_bench import read_jsonl
 
 from flodl.config import CoordinatorConfig
-from flodl.core.cycle import Policy
-from flodl.launcher import LaunchConfig, launch
+from flodl.core.common.policy import Policy
+from flodl.launch.config import LaunchConfig
+from flodl.launch.launcher import launch
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "peers.json"
@@ -803,7 +804,7 @@ def build_result(
         "samples_per_s": "samples trained by all processes / (first batch on any process -> "
         "end of the last one's loop, the last average included)",
         "flodl": {
-            "launch": "flodl.launcher.launch == flodl run --nproc 3 --policy cadence "
+            "launch": "flodl.launch.launcher.launch == flodl run --nproc 3 --policy cadence "
             "--backend gloo bench/peer_flodl_rank.py",
             "coordinator": "CoordinatorConfig() defaults: anchor 10, overhead_target 0.05, "
             "window_cap_epochs 1, idle fill on",

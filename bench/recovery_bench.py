@@ -1,7 +1,7 @@
 """Recovery benchmark: how long survivors take to average again after a rank is lost.
 
 Writes bench/results/recovery.json and prints a short table. Each trial is one ``flodl run``
-(:func:`flodl.launcher.launch`) of N ranks (3, 8 and 16 by default, every N in the same run)
+(:func:`flodl.launch.launcher.launch`) of N ranks (3, 8 and 16 by default, every N in the same run)
 training the digits MLP (gloo, cadence policy), whose last rank (N - 1) faults itself while
 computing a batch (``tests/e2e/chaos_rank.py``: the moment is written just before the
 signal, with no fsync in between):
@@ -42,8 +42,9 @@ import trio
 from benchenv import load
 
 from flodl.config import CoordinatorConfig
-from flodl.core.cycle import Policy
-from flodl.launcher import LaunchConfig, launch
+from flodl.core.common.policy import Policy
+from flodl.launch.config import LaunchConfig
+from flodl.launch.launcher import launch
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "recovery.json"

@@ -10,7 +10,7 @@ side in one run (gloo, CPU, ``torch.set_num_threads(1)`` in every rank):
     of the slowest rank's time. Key ``overhead_ratio`` (target <= 1.15).
 (b) **Heterogeneous throughput** (:mod:`training_task`): 4 ranks, rank 3 made 2.5x slower,
     the digits MLP trained for the same epochs by ``flodl run --policy cadence``
-    (:mod:`flodl_rank`, via :func:`flodl.launcher.launch`) and by torch
+    (:mod:`flodl_rank`, via :func:`flodl.launch.launcher.launch`) and by torch
     DistributedDataParallel (:mod:`ddp_baseline`). samples/s = samples trained by all ranks /
     training window (first batch handed out on any rank to the end of the last rank's loop;
     process start-up excluded on both sides). Keys ``speedup_vs_ddp`` (target >= 1.5),
@@ -62,8 +62,9 @@ from ddp_baseline import run_ddp
 from training_task import TaskConfig
 
 from flodl.config import CoordinatorConfig
-from flodl.core.cycle import Policy
-from flodl.launcher import LaunchConfig, launch
+from flodl.core.common.policy import Policy
+from flodl.launch.config import LaunchConfig
+from flodl.launch.launcher import launch
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "training.json"

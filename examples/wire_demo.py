@@ -21,7 +21,7 @@ from collections import Counter
 import attrs
 import trio
 
-from flodl.admission import serve_ranks
+from flodl.coordinator.admission import serve_ranks
 from flodl.errors import WrongKey
 from flodl.transports import connect, open_listener
 from flodl.transports.channel import Channel, connect_rank

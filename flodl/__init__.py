@@ -2,8 +2,8 @@
 
 The names here are the ones most scripts need; the rest lives in its module:
 ``flodl.worker`` (the rank side, used from a training script), ``flodl.coordinator``,
-``flodl.launcher`` (``flodl run``), ``flodl.checkpoint``, ``flodl.testing``. Importing flodl is
-light: torch is imported only by the modules that average parameters or save them.
+``flodl.launch.launcher`` (``flodl run``), ``flodl.checkpoint``, ``flodl.testing``. Importing flodl
+is light: torch is imported only by the modules that average parameters or save them.
 """
 
 from flodl.config import CoordinatorConfig, GuardKind, MaxFailure, Policy

@@ -15,10 +15,10 @@ import trio
 
 from flodl.backends import check_backend_on_host
 from flodl.config import CoordinatorConfig, Policy, check_at_least, check_script, check_seconds
-from flodl.environment import RankEnv, session_key_from_env
 from flodl.errors import ConfigError, FlodlError
-from flodl.layout import layout_from
-from flodl.observe.views import ViewConfig, parse_bind
+from flodl.host.environment import RankEnv, session_key_from_env
+from flodl.host.layout import layout_from
+from flodl.observe.view_config import ViewConfig, parse_bind
 from flodl.transports import parse_url
 
 
@@ -405,9 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     from flodl.checkpoint.resume import plan_resume
-    from flodl.launcher import LaunchConfig, launch, print_summary, run_succeeded
-    from flodl.launcher_signals import unread_is_fine
-    from flodl.rundir import fresh_run_dir, point_latest
+    from flodl.host.console import unread_is_fine
+    from flodl.host.rundir import fresh_run_dir, point_latest
+    from flodl.launch.config import LaunchConfig
+    from flodl.launch.launcher import launch
+    from flodl.launch.summary import print_summary, run_succeeded
 
     # Every check here runs before any rank starts: a usage error is one message, exit 2.
     args.nproc = nproc_of(args.nproc)  # a number from here on (--min-ranks is checked by it)
@@ -453,9 +455,11 @@ def _check_url(flag: str, url: str) -> None:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from flodl.coordinator import open_coordinator
-    from flodl.failure_report import coordinator_summary, print_root_cause, write_summary
-    from flodl.launcher_signals import StopSignals, coordinate, say, unread_is_fine
+    from flodl.coordinator.process import coordinate
+    from flodl.coordinator.server import open_coordinator
+    from flodl.coordinator.signals import StopSignals
+    from flodl.host.console import say, unread_is_fine
+    from flodl.launch.failure_report import coordinator_summary, print_root_cause, write_summary
     from flodl.observe.hub import open_observer
     from flodl.observe.views import run_views
 

@@ -2,8 +2,8 @@
 
 Every setting has a default a user can run with; a value out of range raises
 :class:`~flodl.errors.ConfigError` naming the setting. :meth:`CoordinatorConfig.machine_settings`
-turns a config into the :class:`~flodl.core.settings.MachineSettings` the coordinator machine
-takes (core defines them and never imports this module). :func:`session_key_from_env` reads
+turns a config into the :class:`~flodl.core.coordinator.settings.MachineSettings` the coordinator
+machine takes (core defines them and never imports this module). :func:`session_key_from_env` reads
 the session key from the environment or a file, never from the command line.
 
 The ``check_*`` functions validate what a user typed on the command line; their errors name the
@@ -18,12 +18,18 @@ from typing import Any
 
 import attrs
 
-from flodl.core.cycle import Policy, default_reduce_stall_ceiling
-from flodl.core.guards import GuardKind
-from flodl.core.liveness import MaxFailure
-from flodl.core.settings import CadenceSettings, CheckpointSettings, MachineSettings, Timeouts
-from flodl.environment import session_key_from_env
+from flodl.core.cadence.guards import GuardKind
+from flodl.core.common.policy import Policy
+from flodl.core.coordinator.cycle import default_reduce_stall_ceiling
+from flodl.core.coordinator.liveness import MaxFailure
+from flodl.core.coordinator.settings import (
+    CadenceSettings,
+    CheckpointSettings,
+    MachineSettings,
+    Timeouts,
+)
 from flodl.errors import ConfigError
+from flodl.host.environment import session_key_from_env
 from flodl.wire.handshake import check_session_key
 
 __all__ = [
@@ -126,7 +132,7 @@ class CoordinatorConfig:
     fill_idle_ranks: bool = True
     """Cadence: a rank that has run its count while others still work is given the batches that
     fit in the time they still need, rather than waiting at the barrier (beyond floDl, whose
-    fast ranks wait; see flodl/core/fill.py). Not with ``max_batch_diff``."""
+    fast ranks wait; see flodl/core/coordinator/fill.py). Not with ``max_batch_diff``."""
     max_failure: MaxFailure | None = None
     collective: bool = True
     """True for gloo/nccl groups: fewer than 2 survivors cannot average (SingleSurvivor)."""

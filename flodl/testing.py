@@ -25,11 +25,11 @@ import attrs
 import trio
 
 from flodl.config import CoordinatorConfig
-from flodl.coordinator import Coordinator, open_coordinator
-from flodl.core.cycle import Policy
-from flodl.core.job import Job
-from flodl.core.rank import MeasuredRound, RankMachine
-from flodl.core.rank_effects import (
+from flodl.coordinator.server import Coordinator, open_coordinator
+from flodl.core.common.job import Job
+from flodl.core.common.policy import Policy
+from flodl.core.common.work import BatchSlice
+from flodl.core.rank.effects import (
     Average,
     CancelRound,
     Finish,
@@ -45,7 +45,7 @@ from flodl.core.rank_effects import (
     Wait,
     Wake,
 )
-from flodl.core.work import BatchSlice
+from flodl.core.rank.machine import MeasuredRound, RankMachine
 from flodl.errors import CoordinatorError, FlodlError
 from flodl.transports import connect
 from flodl.transports.channel import Channel, connect_rank
@@ -155,8 +155,8 @@ class _Groups:
 class ScriptedRank:
     """A rank that follows a :class:`RankScript` over a real Channel.
 
-    Its protocol is the real one: a :class:`~flodl.core.rank.RankMachine` decides, this class
-    only performs (training is a sleep, averaging a :class:`SimulatedGroup`, saving instant).
+    Its protocol is the real one: a :class:`~flodl.core.rank.machine.RankMachine` decides, this
+    class only performs (training is a sleep, averaging a :class:`SimulatedGroup`, saving instant).
     """
 
     def __init__(self, rank: int, world_size: int, script: RankScript, groups: _Groups) -> None:

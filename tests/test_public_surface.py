@@ -177,7 +177,7 @@ def test_cluster_documented_attributes() -> None:
 # Every `from flodl.X import Y` in README.md, docs/*.md and examples/*.py, plus the
 # open_coordinator that flodl.testing and docs/architecture.md build on.
 DOCUMENTED_IMPORTS = [
-    ("flodl.admission", "serve_ranks"),
+    ("flodl.coordinator.admission", "serve_ranks"),
     ("flodl.coordinator", "open_coordinator"),
     ("flodl.errors", "ConfigError"),
     ("flodl.errors", "CoordinatorError"),
@@ -207,7 +207,7 @@ DOCUMENTED_IMPORTS = [
 # Every dotted `flodl.X.Y` (a module, then a name in it) that README.md and docs/*.md name.
 DOCUMENTED_DOTTED = [
     ("flodl.backends", "Backend"),
-    ("flodl.backends.kernels", "warm_up"),
+    ("flodl.averaging.kernels", "warm_up"),
     ("flodl.checkpoint", "CheckpointMeta"),
     ("flodl.checkpoint", "elche_for_world"),
     ("flodl.checkpoint", "find_latest"),
@@ -217,10 +217,10 @@ DOCUMENTED_DOTTED = [
     ("flodl.checkpoint.prune", "prune_bundles"),
     ("flodl.checkpoint.resume", "plan_resume"),
     ("flodl.config", "CoordinatorConfig"),
-    ("flodl.core.machine", "CoordinatorMachine"),
-    ("flodl.core.rank", "RankMachine"),
+    ("flodl.core.coordinator.machine", "CoordinatorMachine"),
+    ("flodl.core.rank.machine", "RankMachine"),
     ("flodl.errors", "FlodlError"),
-    ("flodl.launcher", "launch"),
+    ("flodl.launch.launcher", "launch"),
     ("flodl.observe.events", "read_events"),
     ("flodl.testing", "ScriptedRank"),
     ("flodl.testing", "SimulatedGroup"),
@@ -437,7 +437,7 @@ ENV_VARS = {
     "WORLD_SIZE",
 }
 
-# flodl.environment's names for the variables a rank is started with (its public constants).
+# flodl.host.environment's names for the variables a rank is started with (its public constants).
 ENVIRONMENT_CONSTANTS = {
     "BACKEND": "FLODL_BACKEND",
     "COORDINATOR": "FLODL_COORDINATOR",
@@ -585,9 +585,9 @@ def test_environment_variables_in_source() -> None:
 
 
 def test_environment_constants() -> None:
-    import flodl.environment
+    import flodl.host.environment
 
-    values = {name: getattr(flodl.environment, name, None) for name in ENVIRONMENT_CONSTANTS}
+    values = {name: getattr(flodl.host.environment, name, None) for name in ENVIRONMENT_CONSTANTS}
     assert values == ENVIRONMENT_CONSTANTS
 
 
@@ -600,8 +600,8 @@ def test_other_env_constants() -> None:
 
 
 def test_rank_env_writes_the_documented_variables() -> None:
-    from flodl.core.cycle import Policy
-    from flodl.environment import RankEnv
+    from flodl.core.common.policy import Policy
+    from flodl.host.environment import RankEnv
 
     written = RankEnv(
         coordinator="tcp://127.0.0.1:29400",
@@ -712,13 +712,13 @@ def test_wire_enums() -> None:
 
 def test_run_folder_constants() -> None:
     from flodl.checkpoint.resume import COORDINATOR_META
-    from flodl.launcher import KEY_FILE_NAME
-    from flodl.launcher import SUMMARY_NAME as LAUNCHER_SUMMARY
+    from flodl.host.rundir import LATEST, LOCK_NAME, RUNS_ROOT
+    from flodl.launch.launcher import KEY_FILE_NAME
+    from flodl.launch.summary import SUMMARY_NAME as LAUNCHER_SUMMARY
     from flodl.observe.events import EVENTS_NAME
     from flodl.observe.events import SCHEMA_VERSION as EVENTS_SCHEMA
     from flodl.observe.history import SUMMARY_NAME
     from flodl.observe.report import REPORT_DIR
-    from flodl.rundir import LATEST, LOCK_NAME, RUNS_ROOT
     from flodl.worker.records import DEATH_STEM
 
     assert {
@@ -783,7 +783,7 @@ RUN_FILES = [
 
 
 def test_run_files_recognised(tmp_path: Path) -> None:
-    from flodl.rundir import run_files
+    from flodl.host.rundir import run_files
 
     for name in [*RUN_FILES, "flodl.lock", "notes.txt", "report/index.html"]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

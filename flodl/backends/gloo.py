@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from flodl.backends.kernels import NormSample, warm_up
+from flodl.averaging.kernels import NormSample, warm_up
 from flodl.backends.pipeline import PendingOp
 from flodl.backends.torch_backend import Comm, TorchDistBackend
 

@@ -1,6 +1,6 @@
 """One averaging round reduced in buckets, so packing and checking overlap the collective.
 
-The flat buffer (:class:`~flodl.backends.averaging.FlatLayout`) is cut into buckets of equal
+The flat buffer (:class:`~flodl.averaging.mass.FlatLayout`) is cut into buckets of equal
 size. On one worker thread: reduce the two sums (mass and movers, a few bytes), so every rank
 knows its share ``m / M`` of the average; then copy bucket 0's share ``p * m / M`` into
 scratch (taking ``||p||`` in the same pass), start its all-reduce, copy bucket 1 while bucket
@@ -30,7 +30,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from flodl.backends.averaging import (
+from flodl.averaging.kernels import NormSample, gap_piece, share_piece
+from flodl.averaging.mass import (
     HEADER,
     Applied,
     FlatLayout,
@@ -45,7 +46,6 @@ from flodl.backends.averaging import (
     read_sums,
     squared_norm,
 )
-from flodl.backends.kernels import NormSample, gap_piece, share_piece
 from flodl.errors import BackendError, CollectiveAborted
 
 
@@ -222,7 +222,7 @@ def reduce_in_buckets(
     (``||p||`` was taken during the copy; with ``sample``, ``||a||`` and ``||a - p||`` are
     estimated from that fixed sample of each large parameter, :class:`NormSample`). With
     ``sources`` None the scratch already holds this rank's mass-weighted contribution (a
-    snapshot, :func:`~flodl.backends.averaging.pack`) and each landed bucket is divided by
+    snapshot, :func:`~flodl.averaging.mass.pack`) and each landed bucket is divided by
     the sums; no norms are taken.
 
     The checksum (taken when ``checksum``, else 0) covers the reduced buffer as every rank

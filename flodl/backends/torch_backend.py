@@ -34,7 +34,8 @@ import torch.distributed as dist
 import trio
 from torch._C._distributed_c10d import Store, TCPStore
 
-from flodl.backends.averaging import (
+from flodl.averaging.kernels import NormSample
+from flodl.averaging.mass import (
     Applied,
     FlatLayout,
     Reduced,
@@ -45,7 +46,6 @@ from flodl.backends.averaging import (
 )
 from flodl.backends.base import DEFAULT_ALPHA, AverageResult
 from flodl.backends.group import GroupInfo, connect_store, host_store
-from flodl.backends.kernels import NormSample
 from flodl.backends.pipeline import (
     BucketPlan,
     Landed,

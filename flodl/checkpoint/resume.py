@@ -1,5 +1,5 @@
 """Resuming a run: the coordinator's side of a checkpoint, what to resume from, and ElChe fitted
-to the resumed world (:func:`elche_for_world`, which lives in :mod:`flodl.core.elche` so the
+to the resumed world (:func:`elche_for_world`, which lives in :mod:`flodl.core.cadence.elche` so the
 coordinator core can use it).
 
 Ranks save their own bundles under ``<run_dir>/checkpoints/rank<N>/`` (model + optimizer,
@@ -8,7 +8,7 @@ round) is written beside them as ``<run_dir>/checkpoints/coordinator.meta.json``
 ends. ``flodl run --resume PATH`` reads both: every rank loads the same model bundle (the newest
 complete one, by global step), and the coordinator restores ElChe fitted to the new world size.
 A bundle newer than the coordinator's meta (ranks save their own when their coordinator dies,
-see :class:`~flodl.core.rank_effects.SaveOnLoss`) is resumed from its own meta: its epoch,
+see :class:`~flodl.core.rank.effects.SaveOnLoss`) is resumed from its own meta: its epoch,
 global step and round, with ElChe calibrated afresh.
 """
 
@@ -24,8 +24,8 @@ import attrs
 from flodl.checkpoint.bundle import find_latest
 from flodl.checkpoint.files import write_atomically
 from flodl.checkpoint.meta import CheckpointMeta
-from flodl.core.elche import elche_for_world
-from flodl.core.machine import ResumeState
+from flodl.core.cadence.elche import elche_for_world
+from flodl.core.coordinator.machine import ResumeState
 from flodl.errors import CheckpointError
 
 __all__ = [

@@ -22,8 +22,8 @@ from typing import Any, TextIO
 
 import trio
 
-from flodl.core.timeline import TimelineEvent
-from flodl.rundir import set_aside
+from flodl.core.coordinator.timeline import TimelineEvent
+from flodl.host.rundir import set_aside
 
 __all__ = [
     "EVENTS_NAME",

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from flodl.core.timeline import TimelineEvent
+from flodl.core.coordinator.timeline import TimelineEvent
 from flodl.observe.events import EVENTS_NAME, EventLog, set_aside_earlier_log
 from flodl.observe.state import RunView, is_notable
 

@@ -3,8 +3,8 @@
 :class:`LiveView` draws :func:`flodl.observe.terminal_table.render` with ``rich.live.Live``,
 redrawn on news (a record from the observer, a line to print) and at least every
 :data:`REFRESH_S`, at most every :data:`MIN_GAP_S`. Lines the launcher prints with
-:func:`~flodl.launcher_signals.say` (the ranks' output, its ``flodl:`` notices) are handed to
-the view while it is up (:func:`~flodl.launcher_signals.printing_through`) and printed above the
+:func:`~flodl.host.console.say` (the ranks' output, its ``flodl:`` notices) are handed to
+the view while it is up (:func:`~flodl.host.console.printing_through`) and printed above the
 table, batched per redraw: a chatty rank costs one redraw per batch of its lines, not one per
 line, so the coordinator's event loop it shares stays free. Anything else written to
 ``sys.stdout``/``sys.stderr`` meanwhile goes through rich's redirection, so the table is never
@@ -28,10 +28,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from flodl.launcher_signals import printing_through, say
+from flodl.host.console import printing_through, say
 from flodl.observe.hub import Observer
-from flodl.observe.terminal import PlainLines
 from flodl.observe.terminal_lines import EventLines
+from flodl.observe.terminal_plain import PlainLines
 from flodl.observe.terminal_table import render
 
 __all__ = ["LINES_PER_DRAW", "MIN_GAP_S", "RECENT_EVENTS", "REFRESH_S", "LiveView"]

@@ -2,7 +2,7 @@
 
 It also holds the two handshake drivers that open one: :func:`connect_rank` (rank side) and
 :func:`accept_rank` (coordinator side). Neither applies a deadline of its own; wrap them in
-``trio.fail_after`` / ``trio.move_on_after`` (``flodl.admission.serve_ranks`` does).
+``trio.fail_after`` / ``trio.move_on_after`` (``flodl.coordinator.admission.serve_ranks`` does).
 """
 
 from __future__ import annotations

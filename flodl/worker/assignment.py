@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from flodl.core.work import BatchSlice, EpochOrders
+from flodl.core.common.work import BatchSlice, EpochOrders
 
 __all__ = ["Assignment"]
 

@@ -1,7 +1,7 @@
 """What a rank reads from its environment: :class:`WorkerConfig` and :meth:`WorkerConfig.from_env`.
 
 The launcher (``flodl run``) sets the variables; a script started by hand must set them too.
-Their names, defaults and parsing are :mod:`flodl.environment`'s (the one description of the
+Their names, defaults and parsing are :mod:`flodl.host.environment`'s (the one description of the
 contract, shared with the launcher and ``flodl worker``).
 """
 
@@ -14,11 +14,11 @@ from typing import Any
 
 import attrs
 
-from flodl import environment as names
 from flodl.backends import BACKEND_NAMES
-from flodl.core.cycle import Policy
-from flodl.environment import RankEnv, session_key_from_env
+from flodl.core.common.policy import Policy
 from flodl.errors import ConfigError
+from flodl.host import environment as names
+from flodl.host.environment import RankEnv, session_key_from_env
 
 
 @attrs.frozen

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from flodl.backends import DEFAULT_ALPHA
-from flodl.core.rank import RankMachine
-from flodl.core.rank_effects import Blend, RankEffect
+from flodl.core.rank.effects import Blend, RankEffect
+from flodl.core.rank.machine import RankMachine
 from flodl.errors import BackendError
 from flodl.wire.messages import SyncNow
 from flodl.worker.membership import GroupMembership, Standing

@@ -1,4 +1,4 @@
-"""The rank runtime: the trio shell around the rank machine (:mod:`flodl.core.rank`).
+"""The rank runtime: the trio shell around the rank machine (:mod:`flodl.core.rank.machine`).
 
 :func:`open_worker` connects to the coordinator, completes the handshake and runs three
 background tasks for as long as the block lasts:
@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from flodl.core.job import Job
-from flodl.core.rank import RankMachine
-from flodl.core.rank_effects import (
+from flodl.core.common.job import Job
+from flodl.core.common.work import BatchSlice, EpochOrders
+from flodl.core.rank.effects import (
     Average,
     Blend,
     CancelRound,
@@ -50,7 +50,7 @@ from flodl.core.rank_effects import (
     Wait,
     Wake,
 )
-from flodl.core.work import BatchSlice, EpochOrders
+from flodl.core.rank.machine import RankMachine
 from flodl.errors import (
     CoordinatorError,
     FlodlError,
@@ -99,7 +99,7 @@ class Worker:
         self.optimizer = optimizer
         self.backend = backend
         # Coalesced reports: the coordinator's work per rank then grows with its windows,
-        # not with every batch (see flodl.core.rank).
+        # not with every batch (see flodl.core.rank.machine).
         self.machine = RankMachine(config.rank, config.world_size, config.policy, coalesce=True)
         self.final_metrics: dict[str, float] = {}
         self._started_at = trio.current_time()

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from flodl.checkpoint.meta import LOSS_REASON
-from flodl.core.rank import RankMachine
-from flodl.core.rank_effects import RankEffect
+from flodl.core.rank.effects import RankEffect
+from flodl.core.rank.machine import RankMachine
 from flodl.errors import CheckpointError
 from flodl.wire.messages import Checkpoint
 from flodl.worker.persist import SavePoint, save_rank_bundle

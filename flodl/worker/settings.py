@@ -13,9 +13,9 @@ from typing import Any
 import attrs
 import trio
 
-from flodl import environment as names
-from flodl.core.cycle import Policy
+from flodl.core.common.policy import Policy
 from flodl.errors import ConfigError, CoordinatorError
+from flodl.host import environment as names
 from flodl.transports.channel import Channel
 from flodl.wire.messages import RunSettings
 from flodl.worker.config import WorkerConfig

@@ -9,7 +9,7 @@ every rank of the run, this one included, writes its bundle (``ShutdownWithSave(
 rank dies of it as it would have without flodl (SIGINT as ``KeyboardInterrupt``). SIGHUP is
 ignored from then on, for the rest of the process: a closing terminal may send it twice, and
 the save must go on. A rank started with SIGHUP ignored (``nohup``) keeps it ignored
-(:mod:`flodl.hangup`). Under ``flodl run`` the launcher owns the signals (ranks run in sessions
+(:mod:`flodl.host.hangup`). Under ``flodl run`` the launcher owns the signals (ranks run in sessions
 of their own) and none of this is installed.
 
 The handlers live in the script's main thread (Python runs signal handlers there only, and the
@@ -28,8 +28,8 @@ from typing import Any
 
 import trio
 
-from flodl.core.rank_effects import Send
-from flodl.hangup import stop_signals
+from flodl.core.rank.effects import Send
+from flodl.host.hangup import stop_signals
 from flodl.wire.messages import Intent, IntentKind
 
 __all__ = ["ENV_VAR", "StopOnSignals"]

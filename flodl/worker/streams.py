@@ -5,7 +5,7 @@ into ``rank<N>.log``. When the launcher dies (SIGKILL), the next ``print`` in th
 script would raise ``BrokenPipeError`` and end the script before its batch boundary saves the
 rank's bundle; under ``flodl worker`` a rank writes to the terminal it was started from, and
 once that closes every write raises ``OSError(EIO)``. :func:`keep_output` wraps both streams
-so that a write whose reader is gone (:func:`flodl.hangup.reader_gone`) goes to the rank's log
+so that a write whose reader is gone (:func:`flodl.host.hangup.reader_gone`) goes to the rank's log
 file instead, from then on; nothing else changes.
 """
 
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-from flodl.hangup import reader_gone
+from flodl.host.hangup import reader_gone
 
 __all__ = ["FallbackStream", "keep_output"]
 

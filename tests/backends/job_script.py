@@ -18,8 +18,8 @@ import sys
 import torch
 import trio
 
+from flodl.averaging.kernels import warm_up
 from flodl.backends.gloo import GlooBackend
-from flodl.backends.kernels import warm_up
 
 
 async def rank_main(rank: int, info_read: int, info_write: int, close: bool) -> None:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.backends.averaging import (
+from flodl.averaging.mass import (
     FlatLayout,
     apply_average,
     bit_checksum,

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.backends.kernels import (
+from flodl.averaging.kernels import (
     NormSample,
     compiled,
     gap_piece,
@@ -169,7 +169,7 @@ def test_cuda_pieces_take_the_torch_path() -> None:
 
 BROKEN_NUMBA_PROBE = """
 import warnings, torch
-from flodl.backends.kernels import share_piece, warm_up
+from flodl.averaging.kernels import share_piece, warm_up
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     loaded = warm_up()

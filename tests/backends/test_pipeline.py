@@ -15,15 +15,10 @@ import pytest
 import torch
 import trio
 
-from flodl.backends.averaging import (
-    FlatLayout,
-    bit_checksum,
-    checksum_part,
-    combine_checksums,
-)
+from flodl.averaging.kernels import NormSample
+from flodl.averaging.mass import FlatLayout, bit_checksum, checksum_part, combine_checksums
 from flodl.backends.base import AverageResult
 from flodl.backends.gloo import GlooBackend
-from flodl.backends.kernels import NormSample
 from flodl.backends.pipeline import BucketPlan, Piece
 from flodl.backends.torch_backend import Comm, _GroupVerifyFailed
 from flodl.errors import BackendError

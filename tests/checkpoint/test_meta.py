@@ -9,7 +9,7 @@ import pytest
 
 from flodl.checkpoint import SCHEMA_VERSION, CheckpointMeta
 from flodl.config import CoordinatorConfig
-from flodl.core.machine import CoordinatorMachine
+from flodl.core.coordinator.machine import CoordinatorMachine
 from flodl.errors import CheckpointError
 from flodl.wire.messages import SaveReason
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flodl.checkpoint import elche_for_world
-from flodl.core.elche import ElChe, Phase
+from flodl.core.cadence.elche import ElChe, Phase
 from flodl.errors import CheckpointError, ConfigError
 from tests.core.elche_feed import report
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import trio
 from trio.testing import MockClock
 
-from flodl.core.machine import Status
-from flodl.core.rank_state import RankState
+from flodl.core.coordinator.machine import Status
+from flodl.core.rank.state import RankState
 from flodl.testing import TEST_KEY, RankScript, open_cluster
 from flodl.transports import connect
 from flodl.wire.codec import FrameDecoder, FrameEncoder

@@ -5,7 +5,7 @@ from __future__ import annotations
 from trio.testing import MockClock
 
 from flodl.config import CoordinatorConfig
-from flodl.core.machine import Status
+from flodl.core.coordinator.machine import Status
 from flodl.testing import RankScript, open_cluster
 from flodl.wire.messages import Checkpoint, Shutdown
 

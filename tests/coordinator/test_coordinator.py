@@ -16,9 +16,9 @@ import trio
 from trio.testing import MockClock
 
 from flodl.config import CoordinatorConfig, MaxFailure
-from flodl.coordinator import FLUSH_CHUNK, OUTBOX_LIMIT, open_coordinator
-from flodl.core.machine import Status
-from flodl.core.timeline import EventKind
+from flodl.coordinator.server import FLUSH_CHUNK, OUTBOX_LIMIT, open_coordinator
+from flodl.core.coordinator.machine import Status
+from flodl.core.coordinator.timeline import EventKind
 from flodl.errors import BrokenChannel, ChannelClosed, ProtocolError
 from flodl.testing import TEST_KEY, Cluster, RankScript, open_cluster
 from flodl.transports import connect

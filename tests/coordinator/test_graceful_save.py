@@ -10,8 +10,8 @@ import trio
 from trio.testing import MockClock
 
 from flodl.config import CoordinatorConfig
-from flodl.core.machine import Status
-from flodl.core.timeline import EventKind, TimelineEvent
+from flodl.core.coordinator.machine import Status
+from flodl.core.coordinator.timeline import EventKind, TimelineEvent
 from flodl.testing import Cluster, RankScript, open_cluster
 from flodl.wire.messages import SaveReason, ShutdownWithSave
 

@@ -13,7 +13,7 @@ import trio
 from trio.testing import MockClock
 
 from flodl.config import CoordinatorConfig, Policy
-from flodl.core.machine import Status
+from flodl.core.coordinator.machine import Status
 from flodl.testing import RankScript, open_cluster
 from flodl.wire.messages import ExtendPartition, StartEpoch
 

@@ -22,8 +22,8 @@ import trio
 from trio.testing import MockClock
 
 from flodl.config import CoordinatorConfig
-from flodl.core.machine import Status
-from flodl.core.timeline import EventKind
+from flodl.core.coordinator.machine import Status
+from flodl.core.coordinator.timeline import EventKind
 from flodl.errors import (
     AuthenticationError,
     BrokenChannel,

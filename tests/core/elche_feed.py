@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flodl.core.elche import ElChe, RankWindow
+from flodl.core.cadence.elche import ElChe, RankWindow
 
 
 def report(

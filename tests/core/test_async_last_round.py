@@ -7,10 +7,10 @@ and each member takes the same average as it is (as under Sync and Cadence).
 
 from __future__ import annotations
 
-from flodl.core.cycle import Policy
-from flodl.core.rank_effects import Average, Blend, HandOut, Wait, Wake
-from flodl.core.rank_state import RankState
-from flodl.core.work import BatchSlice
+from flodl.core.common.policy import Policy
+from flodl.core.common.work import BatchSlice
+from flodl.core.rank.effects import Average, Blend, HandOut, Wait, Wake
+from flodl.core.rank.state import RankState
 from flodl.wire.messages import Metrics, SyncAck, SyncNow
 from tests.core.test_rank_machine import (
     FIGURES,

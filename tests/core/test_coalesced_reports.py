@@ -19,12 +19,11 @@ from collections.abc import Callable
 import attrs
 
 from flodl.config import CoordinatorConfig
-from flodl.core.cycle import Policy
-from flodl.core.effects import Broadcast, Send
-from flodl.core.job import Job
-from flodl.core.machine import CoordinatorMachine, Effect
-from flodl.core.rank import MAX_COALESCED, MeasuredRound, RankMachine
-from flodl.core.rank_effects import (
+from flodl.core.common.job import Job
+from flodl.core.common.policy import Policy
+from flodl.core.coordinator.effects import Broadcast, Send
+from flodl.core.coordinator.machine import CoordinatorMachine, Effect
+from flodl.core.rank.effects import (
     Average,
     Finish,
     HandOut,
@@ -33,7 +32,8 @@ from flodl.core.rank_effects import (
     SaveCheckpoint,
     Wait,
 )
-from flodl.core.rank_effects import Send as RankSend
+from flodl.core.rank.effects import Send as RankSend
+from flodl.core.rank.machine import MAX_COALESCED, MeasuredRound, RankMachine
 from flodl.wire.messages import (
     Batch,
     Batches,

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from flodl.core.cycle import (
-    Cycle,
-    Policy,
-    RoundState,
-    default_reduce_stall_ceiling,
-)
-from flodl.core.effects import Broadcast, Send
+from flodl.core.common.policy import Policy
+from flodl.core.coordinator.cycle import Cycle, RoundState, default_reduce_stall_ceiling
+from flodl.core.coordinator.effects import Broadcast, Send
 from flodl.errors import ConfigError, CoordinatorError
 from flodl.wire.messages import (
     Batch,

@@ -8,7 +8,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.core.cycle import Cycle, Policy
+from flodl.core.common.policy import Policy
+from flodl.core.coordinator.cycle import Cycle
 from flodl.wire.messages import Batch, SyncAck
 
 

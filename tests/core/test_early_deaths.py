@@ -13,10 +13,10 @@ import math
 import attrs
 
 from flodl.config import CoordinatorConfig
-from flodl.core.effects import Broadcast, Send
-from flodl.core.ending import Ending
-from flodl.core.machine import CoordinatorMachine, Disconnect, Effect, RunPhase, Status
-from flodl.core.timeline import EventKind
+from flodl.core.coordinator.effects import Broadcast, Send
+from flodl.core.coordinator.ending import Ending
+from flodl.core.coordinator.machine import CoordinatorMachine, Disconnect, Effect, RunPhase, Status
+from flodl.core.coordinator.timeline import EventKind
 from flodl.wire.messages import Abort, Ready, RequestNewGroup, Shutdown
 
 SETTINGS = CoordinatorConfig(join_timeout=5.0).machine_settings()

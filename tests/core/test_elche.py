@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from flodl.core.elche import ElChe, Phase, RankWindow, elect_anchor, rust_round
-from flodl.core.phases import phase_for
+from flodl.core.cadence.elche import ElChe, Phase, RankWindow, elect_anchor, rust_round
+from flodl.core.cadence.phases import phase_for
 from flodl.errors import ConfigError
 from tests.core.elche_feed import feed, report
 

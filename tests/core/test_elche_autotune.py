@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from flodl.core.elche import ElChe, Phase, RankWindow
-from flodl.core.guards import NudgeDown, Stable, SuppressGrowth
+from flodl.core.cadence.elche import ElChe, Phase, RankWindow
+from flodl.core.cadence.guards import NudgeDown, Stable, SuppressGrowth
 from flodl.errors import ConfigError
 from tests.core.elche_feed import feed, report
 

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.core.elche import ElChe, rust_round
-from flodl.core.guards import NudgeDown, Stable, SuppressGrowth, Verdict
+from flodl.core.cadence.elche import ElChe, rust_round
+from flodl.core.cadence.guards import NudgeDown, Stable, SuppressGrowth, Verdict
 from tests.core.elche_feed import report
 
 BASE_MS = 100.0

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from flodl.core.elche import ElChe, Phase
-from flodl.core.guards import NudgeDown, Stable, SuppressGrowth, Verdict
+from flodl.core.cadence.elche import ElChe, Phase
+from flodl.core.cadence.guards import NudgeDown, Stable, SuppressGrowth, Verdict
 from flodl.errors import CheckpointError, ConfigError
 from tests.core.elche_feed import feed
 

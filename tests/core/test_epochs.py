@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from flodl.core.epochs import EpochTallies
-from flodl.core.partitions import ChunkPool
+from flodl.core.coordinator.epochs import EpochTallies
+from flodl.core.coordinator.partitions import ChunkPool
 from flodl.wire.messages import Metrics
 
 

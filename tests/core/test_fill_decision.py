@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flodl.core.fill import IdleFill
+from flodl.core.coordinator.fill import IdleFill
 
 
 def fill_for(plan: list[int], ms: dict[int, float], start: float = 0.0) -> IdleFill:

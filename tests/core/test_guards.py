@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from flodl.core.guards import (
+from flodl.core.cadence.guards import (
     Guard,
     MsfGuard,
     NoGuard,

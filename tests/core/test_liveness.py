@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl.core.liveness import (
+from flodl.core.coordinator.liveness import (
     DEFAULT_HEARTBEAT_TIMEOUT,
     Liveness,
     LossCause,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.core.liveness import Liveness
+from flodl.core.coordinator.liveness import Liveness
 
 WORLD = 6
 TIMEOUT = 10.0

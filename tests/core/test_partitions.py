@@ -10,13 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.core.cycle import Policy
-from flodl.core.partitions import (
+from flodl.core.common.order import Span, SplitMix64, epoch_order
+from flodl.core.common.policy import Policy
+from flodl.core.coordinator.partitions import (
     ChunkPool,
     EpochLedger,
-    Span,
-    SplitMix64,
-    epoch_order,
     equal_sizes,
     largest_remainder_sizes,
     partition_sizes,
@@ -60,7 +58,9 @@ def test_epoch_order_is_a_permutation_that_changes_per_epoch() -> None:
 
 
 def test_epoch_order_is_the_same_in_another_process() -> None:
-    code = "from flodl.core.partitions import epoch_order; print(epoch_order(42, 0, 20))"
+    code = (
+        "from flodl.core.common.order import epoch_order; print(epoch_order(42, 0, 20))"
+    )
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True

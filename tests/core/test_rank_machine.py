@@ -14,10 +14,10 @@ from typing import TypeVar
 import attrs
 import pytest
 
-from flodl.core.cycle import Policy
-from flodl.core.job import Job
-from flodl.core.rank import MeasuredRound, RankMachine
-from flodl.core.rank_effects import (
+from flodl.core.common.job import Job
+from flodl.core.common.policy import Policy
+from flodl.core.common.work import BatchSlice
+from flodl.core.rank.effects import (
     Average,
     Blend,
     CancelRound,
@@ -35,8 +35,8 @@ from flodl.core.rank_effects import (
     Wait,
     Wake,
 )
-from flodl.core.rank_state import RankState
-from flodl.core.work import BatchSlice
+from flodl.core.rank.machine import MeasuredRound, RankMachine
+from flodl.core.rank.state import RankState
 from flodl.errors import (
     ConfigError,
     CoordinatorError,

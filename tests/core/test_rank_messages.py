@@ -10,9 +10,9 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from flodl.core.cycle import Policy
-from flodl.core.rank import RankMachine
-from flodl.core.rank_effects import (
+from flodl.core.common.policy import Policy
+from flodl.core.common.work import BatchSlice
+from flodl.core.rank.effects import (
     Average,
     CancelRound,
     DoomGroup,
@@ -28,8 +28,8 @@ from flodl.core.rank_effects import (
     Wait,
     Wake,
 )
-from flodl.core.rank_state import RankState
-from flodl.core.work import BatchSlice
+from flodl.core.rank.machine import RankMachine
+from flodl.core.rank.state import RankState
 from flodl.errors import (
     CoordinatorError,
     OutOfTurn,

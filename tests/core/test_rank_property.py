@@ -19,10 +19,10 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.core.cycle import Policy
-from flodl.core.job import Job
-from flodl.core.rank import RankMachine
-from flodl.core.rank_effects import (
+from flodl.core.common.job import Job
+from flodl.core.common.policy import Policy
+from flodl.core.common.work import BatchSlice
+from flodl.core.rank.effects import (
     Average,
     Blend,
     Finish,
@@ -36,8 +36,8 @@ from flodl.core.rank_effects import (
     Wait,
     Wake,
 )
-from flodl.core.rank_state import RankState
-from flodl.core.work import BatchSlice
+from flodl.core.rank.machine import RankMachine
+from flodl.core.rank.state import RankState
 from flodl.errors import ShutdownRequested
 from flodl.wire.messages import (
     STOP_SAVE_VERSION,

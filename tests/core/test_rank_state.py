@@ -1,4 +1,4 @@
-"""The rank's lifecycle table (flodl.core.rank_state): every move, every ignored move, the rest."""
+"""The rank's lifecycle table (flodl.core.rank.state): every move, every ignored move, the rest."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from flodl.core.rank_state import IGNORED, MOVES, TERMINAL, Move, RankState, next_state
+from flodl.core.rank.state import IGNORED, MOVES, TERMINAL, Move, RankState, next_state
 from flodl.errors import ConfigError, OutOfTurn
 
 ALL_PAIRS = list(itertools.product(RankState, Move))

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from flodl.core.effects import Broadcast, Send
-from flodl.core.rendezvous import DEFAULT_RETRY_TIMEOUT, Rendezvous, choose_generator
+from flodl.core.coordinator.effects import Broadcast, Send
+from flodl.core.coordinator.rendezvous import DEFAULT_RETRY_TIMEOUT, Rendezvous, choose_generator
 from flodl.errors import ConfigError, CoordinatorError
 from flodl.wire.messages import (
     NewGroupReady,

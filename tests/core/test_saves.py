@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from flodl.core.cycle import Policy
-from flodl.core.effects import Send
-from flodl.core.job import Job
-from flodl.core.rank import RankMachine
-from flodl.core.rank_effects import Send as RankSend
-from flodl.core.saves import SaveSchedule
+from flodl.core.common.job import Job
+from flodl.core.common.policy import Policy
+from flodl.core.coordinator.effects import Send
+from flodl.core.coordinator.saves import SaveSchedule
+from flodl.core.rank.effects import Send as RankSend
+from flodl.core.rank.machine import RankMachine
 from flodl.wire.messages import Checkpoint, CheckpointResult, Intent, IntentKind, Shutdown
 
 

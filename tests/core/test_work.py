@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flodl.core.partitions import epoch_order
-from flodl.core.work import BatchSlice, EpochOrders, WorkQueue
+from flodl.core.common.order import epoch_order
+from flodl.core.common.work import BatchSlice, EpochOrders, WorkQueue
 from flodl.errors import ConfigError, ProtocolError
 from flodl.wire.messages import ExtendPartition, StartEpoch
 

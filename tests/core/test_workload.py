@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flodl.core.workload import Workload, span_batches
+from flodl.core.coordinator.workload import Workload, span_batches
 from flodl.errors import ConfigError
 from flodl.wire.messages import ExtendPartition, StartEpoch
 

@@ -26,7 +26,8 @@ import pytest
 import trio
 
 from flodl.config import CoordinatorConfig
-from flodl.launcher import LaunchConfig, launch
+from flodl.launch.config import LaunchConfig
+from flodl.launch.launcher import launch
 from tests.worker.procs import pid_alive
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from flodl.config import CoordinatorConfig
-from flodl.launcher import LaunchConfig, launch
+from flodl.launch.config import LaunchConfig
+from flodl.launch.launcher import launch
 
 pytestmark = pytest.mark.slow
 

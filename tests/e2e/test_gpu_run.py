@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from flodl.backends.nccl import nccl_usable
-from flodl.launcher import LaunchConfig, launch
+from flodl.launch.config import LaunchConfig
+from flodl.launch.launcher import launch
 
 pytestmark = [
     pytest.mark.gpu,

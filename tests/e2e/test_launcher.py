@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from flodl.launcher import LaunchConfig, launch
+from flodl.launch.config import LaunchConfig
+from flodl.launch.launcher import launch
 
 CRASH_AT_START = "import sys\nprint('starting')\nsys.exit(3)\n"
 

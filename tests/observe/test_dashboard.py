@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from flodl.errors import ConfigError
 from flodl.observe.dashboard import IDLE_TIMEOUT_S, serve
 from flodl.observe.hub import Observer, open_observer
-from flodl.observe.views import ViewConfig
+from flodl.observe.view_config import ViewConfig
 from flodl.testing import Cluster, RankScript, open_cluster
 
 TOKEN = "s3cret-token-0123456789"
@@ -328,7 +328,7 @@ async def test_a_client_that_never_reads_cannot_hold_up_the_end(tmp_path: Path) 
 
 def test_importing_flodl_does_not_import_the_servers_libraries() -> None:
     code = (
-        "import sys, flodl, flodl.launcher, flodl.cli, flodl.observe.views; "
+        "import sys, flodl, flodl.launch.launcher, flodl.cli, flodl.observe.views; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('hypercorn', 'prometheus_client', 'h11', 'h2')))"
     )

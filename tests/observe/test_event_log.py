@@ -12,7 +12,7 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from flodl.core.timeline import EventKind
+from flodl.core.coordinator.timeline import EventKind
 from flodl.observe.events import EVENTS_NAME, EventLog, read_events
 from flodl.observe.hub import open_observer
 from flodl.testing import RankScript, open_cluster
@@ -107,7 +107,7 @@ async def test_a_death_mid_run_is_in_the_log_with_its_regroup_and_redo(
 async def test_a_full_queue_drops_and_counts_and_the_log_says_so(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
-    from flodl.core.timeline import TimelineEvent
+    from flodl.core.coordinator.timeline import TimelineEvent
     from flodl.observe import events
 
     log = EventLog(tmp_path / "e.jsonl", (0.0, 1000.0))
@@ -126,7 +126,7 @@ async def test_a_full_queue_drops_and_counts_and_the_log_says_so(
 async def test_a_cancelled_run_still_writes_what_was_queued(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
-    from flodl.core.timeline import TimelineEvent
+    from flodl.core.coordinator.timeline import TimelineEvent
 
     log = EventLog(tmp_path / "e.jsonl", (0.0, 0.0))
     with trio.CancelScope() as scope:
@@ -142,7 +142,7 @@ async def test_a_cancelled_run_still_writes_what_was_queued(
 
 
 def test_nan_and_infinity_are_written_as_null() -> None:
-    from flodl.core.timeline import TimelineEvent
+    from flodl.core.coordinator.timeline import TimelineEvent
     from flodl.observe.events import event_record
 
     event = TimelineEvent(2.0, EventKind.EPOCH_AGGREGATED, {"avg_loss": float("nan"), "x": [1e999]})
@@ -165,7 +165,7 @@ def test_reading_skips_a_last_line_cut_short_and_names_a_bad_line(tmp_path: Path
 
 
 def test_sequence_numbers_survive_dropping_old_events() -> None:
-    from flodl.core.timeline import Timeline
+    from flodl.core.coordinator.timeline import Timeline
 
     timeline = Timeline(max_events=3)
     for i in range(5):

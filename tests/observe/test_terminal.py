@@ -17,13 +17,13 @@ import trio
 from rich.console import Console
 from trio.testing import MockClock
 
-from flodl.launcher_signals import say
+from flodl.host.console import say
 from flodl.observe import terminal_live
 from flodl.observe.hub import open_observer
 from flodl.observe.terminal import show, wants_live
 from flodl.observe.terminal_lines import EventLines, prints_line
 from flodl.observe.terminal_table import COLUMNS, eta_text, render
-from flodl.observe.views import ViewConfig
+from flodl.observe.view_config import ViewConfig
 from flodl.testing import RankScript, open_cluster
 from tests.observe.cli_run import (
     ANSI,

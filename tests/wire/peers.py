@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from flodl.admission import serve_ranks
+from flodl.coordinator.admission import serve_ranks
 from flodl.transports import connect, open_listener
 from flodl.transports.channel import Channel, connect_rank
 from flodl.wire import codec

@@ -12,7 +12,7 @@ import sys
 import trio
 
 from flodl.config import CoordinatorConfig, Policy, session_key_from_env
-from flodl.coordinator import open_coordinator
+from flodl.coordinator.server import open_coordinator
 
 
 async def main(world_size: int, policy: str, heartbeat_timeout: float) -> None:

@@ -17,8 +17,8 @@ import torch
 import trio
 
 from flodl.config import CoordinatorConfig
-from flodl.coordinator import Coordinator, open_coordinator
-from flodl.core.machine import Status
+from flodl.coordinator.server import Coordinator, open_coordinator
+from flodl.core.coordinator.machine import Status
 from flodl.errors import ConfigError
 from flodl.worker import WorkerConfig, join
 

@@ -21,9 +21,9 @@ import trio
 
 from flodl.backends.gloo import GlooBackend
 from flodl.config import CoordinatorConfig
-from flodl.coordinator import open_coordinator
-from flodl.core.cycle import Policy
-from flodl.core.machine import Status
+from flodl.coordinator.server import open_coordinator
+from flodl.core.common.policy import Policy
+from flodl.core.coordinator.machine import Status
 from flodl.errors import CheckpointError, CoordinatorError, FlodlError, ShutdownRequested
 from flodl.transports import open_listener
 from flodl.transports.channel import Channel, accept_rank

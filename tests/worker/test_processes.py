@@ -21,11 +21,12 @@ import pytest
 import trio
 
 from flodl.config import CoordinatorConfig
-from flodl.coordinator import open_coordinator
-from flodl.core.cycle import Policy
-from flodl.core.machine import Status
-from flodl.core.timeline import EventKind
-from flodl.launcher import LaunchConfig, launch
+from flodl.coordinator.server import open_coordinator
+from flodl.core.common.policy import Policy
+from flodl.core.coordinator.machine import Status
+from flodl.core.coordinator.timeline import EventKind
+from flodl.launch.config import LaunchConfig
+from flodl.launch.launcher import launch
 from tests.worker.procs import DIGITS, ROOT, digits_command, rank_env, read_until, spawn
 
 pytestmark = pytest.mark.slow

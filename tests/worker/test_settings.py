@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl.core.cycle import Policy
+from flodl.core.common.policy import Policy
 from flodl.errors import ConfigError
 from flodl.wire.messages import RunSettings
 from flodl.worker.config import WorkerConfig

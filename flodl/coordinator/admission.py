@@ -1,0 +1,152 @@
+"""Rank admission: accept connections, run each handshake under a deadline, hand ranks over.
+
+:func:`serve_ranks` is the coordinator's front door. Every connection is its own task, so a
+slow, silent or hostile peer delays nobody: it is dropped when its handshake deadline passes
+or its first bad byte arrives, the reason is reported, and the accept loop and the other
+ranks carry on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import trio
+
+from flodl.errors import ConfigError, FlodlError, HandshakeTimeout
+from flodl.transports.channel import Channel, accept_rank
+from flodl.transports.errors import STREAM_ERRORS
+from flodl.wire.codec import DEFAULT_MAX_PAYLOAD
+from flodl.wire.handshake import check_session_key, check_signature
+
+logger = logging.getLogger("flodl.coordinator.admission")
+
+RankHandler = Callable[[int, Channel], Awaitable[None]]
+"""``await handler(rank, channel)`` serves one admitted rank until it returns."""
+
+RankErrorHandler = Callable[[int | None, BaseException], None]
+"""``on_rank_error(rank or None, error)``: one connection failed (rank None: before it had one)."""
+
+_CONNECTION_ERRORS: tuple[type[Exception], ...] = (FlodlError, *STREAM_ERRORS)
+
+
+class AcceptsStreams(Protocol):
+    """Anything with ``await accept() -> trio.abc.Stream`` (flodl listeners, trio listeners)."""
+
+    async def accept(self) -> trio.abc.Stream: ...
+
+
+def _sole_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception inside nested groups, or the group itself if there are several."""
+    leaves: list[BaseException] = []
+
+    def collect(error: BaseException) -> None:
+        if isinstance(error, BaseExceptionGroup):
+            for inner in error.exceptions:
+                collect(inner)
+        else:
+            leaves.append(error)
+
+    collect(group)
+    return leaves[0] if len(leaves) == 1 else group
+
+
+def _log_rank_error(rank: int | None, error: BaseException) -> None:
+    who = "a connection" if rank is None else f"rank {rank}"
+    logger.warning("dropped %s: %s: %s", who, type(error).__name__, error)
+
+
+async def serve_ranks(
+    listener: AcceptsStreams,
+    key: bytes,
+    world_size: int,
+    handler: RankHandler,
+    *,
+    signature: bytes | None = None,
+    handshake_timeout: float = 10.0,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+    on_rank_error: RankErrorHandler | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Admit ranks from ``listener`` and run ``await handler(rank, channel)`` for each.
+
+    Each connection runs in its own task: the handshake must finish within
+    ``handshake_timeout`` seconds (else HandshakeTimeout); a rank id is held from the moment
+    its hello verifies until its handler returns, so a second connection claiming it is
+    refused with DuplicateRank. A hello whose nonce was already accepted (a recorded hello
+    sent again) is refused unanswered with ReplayedHello, so it cannot hold a rank id. Any
+    FlodlError or broken-stream error of one connection (handshake or handler; also an
+    exception group holding only such errors, reported unwrapped when it holds just one)
+    closes that connection and is reported as
+    ``on_rank_error(rank or None, error)`` (default: logged as a warning); it never disturbs
+    the accept loop or the other ranks. Any other exception from a handler is a bug: it
+    propagates and cancels everything.
+
+    Streams are always closed, also when cancelled. Signals ``task_status.started()`` once the
+    accept loop runs. Runs until cancelled; if the listener is closed (``ClosedResourceError``
+    from ``accept``) it stops accepting and returns once the admitted ranks' handlers return.
+    """
+    check_session_key(key)
+    signature = check_signature(signature)
+    if handshake_timeout <= 0:
+        raise ConfigError(f"handshake_timeout must be > 0, got {handshake_timeout}")
+    report = on_rank_error or _log_rank_error
+    held: set[int] = set()
+    spent: set[bytes] = set()
+    """Nonces of every hello that verified: a second use is a replay (32 bytes each)."""
+
+    def replayed(nonce: bytes) -> bool:
+        if nonce in spent:
+            return True
+        spent.add(nonce)
+        return False
+
+    async def serve_connection(stream: trio.abc.Stream) -> None:
+        claimed: int | None = None
+
+        def taken(rank: int) -> bool:
+            nonlocal claimed
+            if rank in held:
+                return True
+            held.add(rank)
+            claimed = rank
+            return False
+
+        try:
+            with trio.move_on_after(handshake_timeout) as deadline:
+                rank, channel = await accept_rank(
+                    stream,
+                    key,
+                    world_size,
+                    signature,
+                    taken=taken,
+                    replayed=replayed,
+                    max_payload=max_payload,
+                )
+            if deadline.cancelled_caught:
+                raise HandshakeTimeout(
+                    f"peer did not complete the handshake within {handshake_timeout} s"
+                )
+            await handler(rank, channel)
+        except _CONNECTION_ERRORS as err:
+            report(claimed, err)
+        except BaseExceptionGroup as group:
+            # A handler with its own nursery raises groups: one made only of connection
+            # errors is still this connection's failure; anything else in it propagates.
+            if group.split(_CONNECTION_ERRORS)[1] is not None:
+                raise
+            report(claimed, _sole_leaf(group))
+        finally:
+            if claimed is not None:
+                held.discard(claimed)
+            await trio.aclose_forcefully(stream)
+
+    async with trio.open_nursery() as nursery:
+        task_status.started()
+        while True:
+            try:
+                stream = await listener.accept()
+            except trio.ClosedResourceError:
+                return
+            nursery.start_soon(serve_connection, stream)

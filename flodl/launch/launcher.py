@@ -1,0 +1,228 @@
+"""Spawn and supervise local ranks around an in-process coordinator (``flodl run``).
+
+:func:`launch` opens the coordinator, starts ``nproc`` copies of the training script with the
+environment a rank needs (torchrun-style RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+MASTER_PORT plus flodl's own ``FLODL_*``), relays their output with a ``[rank N]`` prefix, feeds
+each process exit into the coordinator's death detection, turns the first Ctrl-C (SIGINT or
+SIGTERM) into a graceful save-and-shutdown and the second into a kill
+(:mod:`flodl.host.console`: ranks run in sessions of their own, out of reach of a terminal's
+Ctrl-C), checks on disk what was saved (:mod:`flodl.launch.saves`), and finally writes
+``run-dir/summary.json``. Every process it started is gone when it returns, whatever happened.
+
+The session key is generated here and handed to the ranks in a 0600 file named by
+``FLODL_SESSION_KEY_FILE``; it never appears on a command line.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import secrets
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from flodl.checkpoint.resume import ResumePlan, plan_resume, save_coordinator_meta
+from flodl.coordinator.server import open_coordinator
+from flodl.coordinator.signals import StopSignals, watch_signals
+from flodl.host.console import say
+from flodl.host.environment import SESSION_KEY, RankEnv
+from flodl.host.rundir import claim_run_dir, set_aside
+from flodl.host.torchrun_env import OMP_NOTE, TorchrunLayout, free_port
+from flodl.launch.config import LaunchConfig
+from flodl.launch.summary import SUMMARY_NAME, build_summary
+from flodl.observe.events import EVENTS_NAME
+from flodl.observe.hub import open_observer
+from flodl.observe.views import run_views
+from flodl.supervise.ranks import (
+    RankProcess,
+    Supervision,
+    kill_rank_groups,
+    kill_ranks,
+    let_ranks_exit,
+    supervise_rank,
+)
+
+KEY_FILE_NAME = "session.key"
+
+
+def write_session_key(run_dir: Path, key: bytes) -> Path:
+    """Write ``key`` (hex) to ``run_dir/session.key`` readable by this user only."""
+    path = run_dir / KEY_FILE_NAME
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key.hex())
+    os.chmod(path, 0o600)
+    return path
+
+
+def rank_environment(
+    config: LaunchConfig,
+    rank: int,
+    url: str,
+    key_file: Path,
+    master_port: int,
+    resume: Path | None = None,
+    restart_count: int = 0,
+) -> dict[str, str]:
+    """The environment of rank ``rank``: the parent's, plus what a flodl rank reads (the key
+    by file only: a key inherited in the environment would be the wrong one) and torchrun's
+    variables (:mod:`flodl.host.torchrun_env`; ``MASTER_PORT`` is ``master_port``, free for the
+    script's own rendezvous)."""
+    env = dict(os.environ)
+    env.pop(SESSION_KEY, None)
+    layout = TorchrunLayout(
+        rank=rank,
+        world_size=config.nproc,
+        local_rank=rank,
+        local_world_size=config.nproc,
+        master_port=master_port,
+        restart_count=restart_count,
+        max_restarts=config.restarts,
+        run_id=config.run_dir.name,
+    )
+    env.update(layout.variables(env))
+    coordinator = config.coordinator
+    rank_env = RankEnv(
+        coordinator=url,
+        rank=rank,
+        world_size=config.nproc,
+        local_rank=rank,
+        local_world_size=config.nproc,
+        session_key_file=key_file.resolve(),
+        backend=config.backend,
+        policy=coordinator.policy,
+        heartbeat_timeout=coordinator.heartbeat_timeout,
+        heartbeat_interval=coordinator.heartbeat_interval,
+        run_dir=config.run_dir.resolve(),
+        seed=config.seed,
+        host="127.0.0.1",
+        resume=None if resume is None else resume.resolve(),
+        keep_checkpoints=config.keep_checkpoints,
+    )
+    env.update(rank_env.variables())
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str, Any]:
+    """Run the job to its end and return the summary (also written to run-dir/summary.json).
+
+    Guarantees: every rank process started here has exited (killed if need be) when this
+    returns or raises, including on cancellation. Raises ConfigError, before any rank starts,
+    for what this host cannot run and for a run dir that is in use or holds an earlier run
+    (see :func:`flodl.host.rundir.claim_run_dir`).
+    """
+    config.check_host()
+    plan = None if config.resume is None else plan_resume(config.resume)
+    with claim_run_dir(config.run_dir, resume=config.resume, overwrite=config.overwrite):
+        if config.echo:
+            say(f"flodl: run folder {config.run_dir}")
+        return await _launch(config, key, plan)
+
+
+async def _launch(
+    config: LaunchConfig, key: bytes | None, plan: ResumePlan | None
+) -> dict[str, Any]:
+    run_dir = config.run_dir
+    if plan is not None:  # each rank log holds one run; a restart within it appends
+        for log in sorted(run_dir.glob("rank*.log")):
+            if log.name.removeprefix("rank").removesuffix(".log").isdigit():
+                set_aside(log)
+    key = key or secrets.token_bytes(32)
+    key_file = write_session_key(run_dir, key)
+    if config.transport == "unix":
+        url = f"unix://{(run_dir / 'coordinator.sock').resolve()}"
+    else:
+        url = "tcp://127.0.0.1:0"
+    started_unix = time.time()
+    spawned: list[RankProcess] = []
+    supervision = Supervision(
+        run_dir, config.restarts, echo=config.echo, show_ranks=config.show_ranks
+    )
+    stops = StopSignals()
+    async with open_coordinator(
+        url,
+        config.nproc,
+        key,
+        config.coordinator,
+        seed=config.seed,
+        linger=config.exit_grace,
+        resume=None if plan is None else plan.state,
+        freeze_heap=True,  # this process exists to coordinate (see flodl.coordinator)
+    ) as coordinator:
+        # The run's clock starts when the coordinator's did (its join timeout counts from
+        # there); the unix time of that instant is read off both clocks read together.
+        trio_start = coordinator.started_at
+        clock_unix = time.time() - (trio.current_time() - trio_start)
+        master_port = free_port()
+        if config.nproc > 1 and "OMP_NUM_THREADS" not in os.environ and config.echo:
+            say(OMP_NOTE.format(n=config.nproc))
+        observing = open_observer(coordinator, run_dir, (trio_start, clock_unix))
+        try:
+            async with observing as observer, trio.open_nursery() as nursery:
+                dashboard = await nursery.start(run_views, observer, config.views)
+                if dashboard is not None and config.echo:
+                    say(f"flodl: dashboard at {dashboard}")
+
+                async def start_rank(rank: int) -> trio.Process:
+                    earlier = [item.restarts for item in spawned if item.rank == rank]
+                    env = rank_environment(
+                        config,
+                        rank,
+                        coordinator.url,
+                        key_file,
+                        master_port,
+                        resume=None if plan is None else plan.bundle,
+                        restart_count=earlier[0] if earlier else 0,
+                    )
+                    return await trio.lowlevel.open_process(
+                        [config.python, config.script, *config.script_args],
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        # Out of the terminal's process group: Ctrl-C is the launcher's to handle.
+                        start_new_session=True,
+                    )
+
+                kill = functools.partial(kill_rank_groups, spawned)
+                says = ("kill them", "killing the ranks")
+                await nursery.start(watch_signals, coordinator, stops, kill, says)
+                for rank in range(config.nproc):
+                    item = RankProcess(rank, await start_rank(rank), time.time())
+                    spawned.append(item)
+                    nursery.start_soon(supervise_rank, item, coordinator, supervision, start_rank)
+                await coordinator.wait_finished()
+                await let_ranks_exit(spawned, coordinator.record.lost_ranks())
+                # Ranks declared dead for silence will not exit on their own.
+                kill_ranks(spawned, coordinator.record.lost_ranks())
+                with trio.move_on_after(config.exit_grace):
+                    for item in spawned:
+                        await item.process.wait()
+                kill_rank_groups(spawned)
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                kill_rank_groups(spawned, exited_too=True)
+                for item in spawned:
+                    code = await item.process.wait()
+                    if item.exit_code is None:
+                        item.exit_code = code
+                        item.exited_unix = time.time()
+                        item.exit_log.exited(item.rank, item.process.pid, code, item.exited_unix)
+        summary = build_summary(
+            config, coordinator.record, spawned, (clock_unix, trio_start), stops
+        )
+        summary["wall_s"] = time.time() - started_unix
+        summary["run_dir"] = str(run_dir)
+        summary["events"] = str(run_dir / EVENTS_NAME)
+        save_coordinator_meta(run_dir, coordinator.record.checkpoint_meta())
+        if plan is not None:
+            summary["resumed_from"] = str(plan.bundle)
+    (run_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str))
+    return summary
