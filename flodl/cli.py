@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -13,95 +11,47 @@ from pathlib import Path
 
 import trio
 
-from flodl.backends import check_backend_on_host
-from flodl.config import CoordinatorConfig, Policy, check_at_least, check_script, check_seconds
+from flodl.config import (
+    CoordinatorConfig,
+    Policy,
+    check_at_least,
+    coordinator_config_from,
+    flagged_settings,
+)
 from flodl.errors import ConfigError, FlodlError
-from flodl.host.environment import RankEnv, session_key_from_env
-from flodl.host.layout import layout_from
-from flodl.observe.view_config import ViewConfig, parse_bind
-from flodl.transports import parse_url
+from flodl.host.environment import session_key_from_env
+from flodl.launch.config import nproc_of, ranks_of
+from flodl.observe.view_config import add_view_flags, view_config_from
+from flodl.worker.command import check_url, run_worker_command
 
 
 def _add_coordinator_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", choices=[p.value for p in Policy], default="cadence")
-    parser.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S")
-    parser.add_argument(
-        "--stall-ceiling",
-        type=float,
-        default=None,
-        metavar="S",
-        help="reduce-stall ceiling (default: max(10 x heartbeat timeout, 300 s))",
-    )
-    parser.add_argument("--anchor", type=int, default=10)
-    parser.add_argument("--max-batch-diff", type=int, default=None)
-    parser.add_argument(
-        "--relax-up",
-        action="store_true",
-        help="cadence/async: grow the anchor by one after every round the guard finds stable",
-    )
-    parser.add_argument(
-        "--window-cap-epochs",
-        type=float,
-        default=1.0,
-        help="a window holds at most this many epochs' batches (default 1, as floDl)",
-    )
+    """Every setting of :class:`CoordinatorConfig` that has a flag, as declared there."""
+    for field, flag in flagged_settings():
+        if flag.parse is None:
+            parser.add_argument(flag.name, dest=field.name, action="store_true", help=flag.help)
+            continue
+        default = field.default.value if isinstance(field.default, Policy) else field.default
+        parser.add_argument(
+            flag.name,
+            dest=field.name,
+            type=flag.parse,
+            default=default,
+            metavar=flag.metavar,
+            help=flag.help,
+            choices=flag.choices,
+        )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=None,
-        metavar="N",
-        help="rank 0 (the lowest live rank) saves a bundle every N averaging rounds",
-    )
-    parser.add_argument(
-        "--checkpoint-every-epochs",
-        type=int,
-        default=None,
-        metavar="N",
-        help="rank 0 (the lowest live rank) saves a bundle every N epochs",
-    )
-    parser.add_argument(
-        "--join-timeout",
-        type=float,
-        default=300.0,
-        metavar="S",
-        help="wait this long for every rank to join; then start with those that did while "
-        "--min-ranks allows, else fail naming the missing ranks (default 300)",
-    )
-    parser.add_argument(
-        "--min-ranks",
-        type=int,
-        default=None,
-        metavar="N",
-        help="ranks that die before joining (not restarted): start without them while N remain "
-        "(default: 2 with a collective group, the SingleSurvivor rule)",
-    )
 
 
-def _check_coordinator_flags(args: argparse.Namespace) -> None:
-    """Refuse bad coordinator flags by the flag's name, before CoordinatorConfig would refuse
-    them by a setting's name (or one derived from it) the user never typed."""
-    check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
-    check_seconds("--join-timeout", args.join_timeout)
+def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
+    """The coordinator's settings from the flags; a bad value is refused by the flag's name,
+    before CoordinatorConfig would refuse it by a setting's name the user never typed."""
     if args.keep_checkpoints is not None:
         check_at_least("--keep-checkpoints", args.keep_checkpoints, 1)
-    if args.stall_ceiling is not None:
-        check_seconds("--stall-ceiling", args.stall_ceiling)
-    check_at_least("--anchor", args.anchor, 1)
-    if args.max_batch_diff is not None:
-        check_at_least("--max-batch-diff", args.max_batch_diff, 0)
-    cap = args.window_cap_epochs
-    if not (cap > 0 and math.isfinite(cap)):
-        raise ConfigError(f"--window-cap-epochs must be a number > 0, got {cap!r}")
     if args.relax_up and args.policy == Policy.SYNC.value:
         raise ConfigError("--relax-up grows cadence windows; --policy sync has none")
     check_at_least("--seed", args.seed, 0)
-    for flag, value in (
-        ("--checkpoint-every", args.checkpoint_every),
-        ("--checkpoint-every-epochs", args.checkpoint_every_epochs),
-    ):
-        if value is not None:
-            check_at_least(flag, value, 1)
     if args.min_ranks is not None:
         check_at_least("--min-ranks", args.min_ranks, 1)
         world = getattr(args, "nproc", None) or getattr(args, "world_size", None)
@@ -109,109 +59,9 @@ def _check_coordinator_flags(args: argparse.Namespace) -> None:
             raise ConfigError(
                 f"--min-ranks must be at most the world size ({world}), got {args.min_ranks}"
             )
-
-
-def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
-    _check_coordinator_flags(args)
-    return CoordinatorConfig(
-        policy=Policy(args.policy),
-        heartbeat_timeout=args.heartbeat_timeout,
-        heartbeat_interval=min(1.0, args.heartbeat_timeout / 4),
-        reduce_stall_ceiling=args.stall_ceiling,
-        anchor=args.anchor,
-        max_anchor=max(1000, args.anchor),
-        max_batch_diff=args.max_batch_diff,
-        relax_up=args.relax_up,
-        window_cap_epochs=args.window_cap_epochs,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_every_epochs=args.checkpoint_every_epochs,
-        min_ranks=args.min_ranks,
-        join_timeout=args.join_timeout,
-        # What flodl run also tells its ranks itself; sent to flodl worker's.
-        backend=args.backend,
-        keep_checkpoints=args.keep_checkpoints,
-    )
-
-
-def _host_of(url: str) -> str:
-    """The host of a ``tcp://`` URL; 127.0.0.1 for a unix socket (same host)."""
-    parsed = parse_url(url)
-    return parsed.host if parsed.scheme == "tcp" and parsed.host else "127.0.0.1"
-
-
-def _ranks_of(flag: str, text: str | None) -> frozenset[int] | None:
-    """``0,2,5`` (or ``0-3``) -> the set of ranks; None stays None. ConfigError if bad."""
-    if text is None:
-        return None
-    ranks: set[int] = set()
-    try:
-        for part in text.split(","):
-            first, _, last = part.strip().partition("-")
-            ranks.update(range(int(first), int(last or first) + 1))
-    except ValueError:
-        raise ConfigError(f"{flag} must list ranks like 0,2 or 0-3, got {text!r}") from None
-    return frozenset(ranks)
-
-
-def nproc_of(text: str) -> int:
-    """``--nproc``'s value as torchrun reads ``--nproc-per-node``: a number, ``gpu`` (the
-    visible GPUs; ConfigError when there are none), ``cpu`` (the CPU cores) or ``auto``
-    (``gpu`` where CUDA is usable, else ``cpu``). Imports torch only for ``gpu``/``auto``."""
-    if text in ("gpu", "auto"):
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus:
-            return gpus
-        if text == "gpu":
-            raise ConfigError("--nproc gpu: torch sees no usable GPU on this host")
-        text = "cpu"
-    if text == "cpu":
-        return os.cpu_count() or 1
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"--nproc must be a number, auto, gpu or cpu, got {text!r}") from None
-
-
-def _add_view_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--no-live",
-        action="store_true",
-        help="no live table even on a terminal: plain lines (rank output and events) instead",
-    )
-    parser.add_argument(
-        "--quiet",
-        action="store_true",
-        help="print only the end-of-run summary (rank output is still in run_dir/rank<N>.log)",
-    )
-    parser.add_argument(
-        "--dashboard",
-        default=None,
-        metavar="[HOST:]PORT",
-        help="serve a live web dashboard, /api/state, /api/events and /metrics "
-        "(host default 127.0.0.1; any other host needs --dashboard-token-file)",
-    )
-    parser.add_argument(
-        "--dashboard-token-file",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="every dashboard request must present this file's token (Bearer or ?token=)",
-    )
-    parser.add_argument(
-        "--report",
-        action="store_true",
-        help="write run_dir/report/index.html (plots of the event log) when the run ends",
-    )
-
-
-def _view_config(args: argparse.Namespace) -> ViewConfig:
-    return ViewConfig(
-        live=False if args.no_live or args.quiet else None,
-        quiet=args.quiet,
-        dashboard=None if args.dashboard is None else parse_bind(args.dashboard),
-        dashboard_token_file=args.dashboard_token_file,
+    # What flodl run also tells its ranks itself; sent to flodl worker's.
+    return coordinator_config_from(
+        vars(args), backend=args.backend, keep_checkpoints=args.keep_checkpoints
     )
 
 
@@ -294,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="each rank keeps its K newest bundles and removes older ones (default 2)",
     )
     _add_coordinator_options(run)
-    _add_view_options(run)
+    add_view_flags(run)
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -321,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="bundles each rank keeps, sent to each worker (default: each rank's own, 2)",
     )
     _add_coordinator_options(coord)
-    _add_view_options(coord)
+    add_view_flags(coord)
 
     report = commands.add_parser(
         "report", help="write RUN_DIR/report/index.html: plots of a run's event log"
@@ -427,8 +277,8 @@ def _run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         keep_checkpoints=args.keep_checkpoints,
         echo=not args.quiet,
-        show_ranks=_ranks_of("--show-ranks", args.show_ranks),
-        views=_view_config(args),
+        show_ranks=ranks_of("--show-ranks", args.show_ranks),
+        views=view_config_from(args),
     )
     config.check_host()
     if args.resume is not None:
@@ -447,13 +297,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if run_succeeded(summary) else 1
 
 
-def _check_url(flag: str, url: str) -> None:
-    try:
-        parse_url(url)
-    except FlodlError as err:
-        raise ConfigError(f"{flag}: {err}") from None
-
-
 def _coordinator(args: argparse.Namespace) -> int:
     from flodl.coordinator.process import coordinate
     from flodl.coordinator.server import open_coordinator
@@ -463,10 +306,10 @@ def _coordinator(args: argparse.Namespace) -> int:
     from flodl.observe.hub import open_observer
     from flodl.observe.views import run_views
 
-    _check_url("--listen", args.listen)
+    check_url("--listen", args.listen)
     check_at_least("--world-size", args.world_size, 1)
     config = _coordinator_config(args)
-    views = _view_config(args)
+    views = view_config_from(args)
     key = session_key_from_env()
     stops = StopSignals()
     args.run_dir.mkdir(parents=True, exist_ok=True)
@@ -499,7 +342,7 @@ def _coordinator(args: argparse.Namespace) -> int:
             finally:  # what it knows, even when stopped at once
                 summary.update(
                     coordinator_summary(
-                        coordinator.machine,
+                        coordinator.record,
                         stops,
                         clocks,
                         world_size=args.world_size,
@@ -521,58 +364,6 @@ def _coordinator(args: argparse.Namespace) -> int:
     return status
 
 
-def _worker(args: argparse.Namespace) -> int:
-    from flodl.worker.config import WorkerConfig
-    from flodl.worker.signals import ENV_VAR as STOP_ON_SIGNALS
-
-    # The checks a rank would make after importing torch, made here by the flags' names.
-    _check_url("--coordinator", args.coordinator)
-    if args.world_size is not None:
-        check_at_least("--world-size", args.world_size, 1)
-    if args.rank is not None:
-        check_at_least("--rank", args.rank, 0)
-    if args.rank is not None and args.world_size is not None and args.rank >= args.world_size:
-        raise ConfigError(f"--rank must be below --world-size ({args.world_size}), got {args.rank}")
-    layout = layout_from(os.environ, rank=args.rank, world_size=args.world_size)
-    if args.heartbeat_timeout is not None:
-        check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
-    check_seconds("--join-timeout", args.join_timeout)
-    if not 1 <= args.master_port <= 65535:
-        raise ConfigError(f"--master-port must be 1..65535, got {args.master_port}")
-    if args.host is not None and not args.host.strip():
-        raise ConfigError("--host must not be empty")
-    check_script(args.script)
-    if args.backend is not None:
-        check_backend_on_host(args.backend, layout.local_world_size)
-    session_key_from_env()  # fail early, here, if the key is missing
-    rank_env = RankEnv(
-        coordinator=args.coordinator,
-        rank=layout.rank,
-        world_size=layout.world_size,
-        local_rank=layout.local_rank,
-        local_world_size=layout.local_world_size,
-        backend=args.backend,
-        policy=None if args.policy is None else Policy(args.policy),
-        heartbeat_timeout=args.heartbeat_timeout,
-        # As `flodl run` and `flodl coordinator` derive it: the rank beacons at the
-        # coordinator's pace, and a timeout under 1 s stays above the interval.
-        heartbeat_interval=(
-            None if args.heartbeat_timeout is None else min(1.0, args.heartbeat_timeout / 4)
-        ),
-        host=args.host,
-        join_timeout=args.join_timeout,
-        master_addr=args.master_addr or _host_of(args.coordinator),
-        master_port=args.master_port,
-        run_dir=args.run_dir.resolve(),
-    )
-    env = {**os.environ, **rank_env.variables()}
-    env.setdefault("GROUP_RANK", str(layout.node))
-    env[STOP_ON_SIGNALS] = "1"  # no launcher here: SIGTERM/SIGINT ask the coordinator to save
-    WorkerConfig.from_env(env)  # what the rank will read, refused here rather than after torch
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    os.execvpe(sys.executable, [sys.executable, args.script, *args.script_args], env)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flodl`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -583,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _coordinator(args)
         if args.command == "report":
             return _report(args)
-        return _worker(args)
+        return run_worker_command(args)
     except FlodlError as err:
         print(f"flodl: error: {err}", file=sys.stderr)
         return 2

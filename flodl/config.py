@@ -12,7 +12,9 @@ flag, so ``flodl`` can refuse a bad value before any rank starts.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,14 @@ from flodl.wire.handshake import check_session_key
 
 __all__ = [
     "CoordinatorConfig",
+    "Flag",
+    "at_least",
+    "check_positive",
+    "coordinator_config_from",
+    "described",
+    "flagged_settings",
+    "optional",
+    "setting",
     "check_at_least",
     "check_script",
     "check_seconds",
@@ -45,29 +55,9 @@ __all__ = [
 ]
 
 
-def _positive(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{attribute.name} must be > 0, got {value!r}")
-
-
-def _optional_positive(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not value > 0:
-        raise ConfigError(f"{attribute.name} must be > 0 or None, got {value!r}")
-
-
-def _at_least_one(_inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{attribute.name} must be an integer >= 1, got {value!r}")
-
-
-def _optional_at_least_one(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ConfigError(f"{attribute.name} must be an integer >= 1 or None, got {value!r}")
-
-
-def _optional_non_negative_int(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise ConfigError(f"{attribute.name} must be an integer >= 0 or None, got {value!r}")
+Check = Callable[[str, Any], object]
+"""A rule for one setting's value: takes the name to blame (the setting's, or the flag a user
+typed) and the value; raises ConfigError naming it when the value breaks the rule."""
 
 
 def check_at_least(flag: str, value: int, low: int) -> int:
@@ -84,6 +74,32 @@ def check_seconds(flag: str, value: float) -> float:
     return float(value)
 
 
+def check_positive(flag: str, value: float) -> float:
+    """``value`` if it is a finite number > 0; ConfigError naming ``flag``."""
+    if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{flag} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def at_least(low: int) -> Check:
+    """The rule "an integer >= ``low``"."""
+    return functools.partial(_at_least, low=low)
+
+
+def _at_least(flag: str, value: int, low: int) -> int:
+    return check_at_least(flag, value, low)
+
+
+def optional(check: Check) -> Check:
+    """``check``, with None (the setting's "not set") allowed."""
+
+    def check_unless_none(flag: str, value: Any) -> None:
+        if value is not None:
+            check(flag, value)
+
+    return check_unless_none
+
+
 def check_script(script: str | Path) -> Path:
     """The training script's path if it names an existing file; ConfigError otherwise."""
     path = Path(script)
@@ -95,54 +111,162 @@ def check_script(script: str | Path) -> Path:
 
 
 @attrs.frozen
+class Flag:
+    """How a setting is typed on the command line of ``flodl run`` and ``flodl coordinator``.
+
+    The flag, its parsing, its check and its default come from the one declaration of the
+    setting in :class:`CoordinatorConfig` (:func:`setting`); ``flodl.cli`` adds every flagged
+    setting to its parsers and builds the config from what was typed
+    (:func:`coordinator_config_from`), so a setting is written down once.
+    """
+
+    name: str
+    parse: Callable[[str], Any] | None = float
+    """Turns the typed text into the value; None: a switch (``store_true``)."""
+    metavar: str | None = None
+    help: str | None = None
+    choices: tuple[str, ...] | None = None
+
+
+FLAG = "flodl.flag"
+CHECK = "flodl.check"
+
+
+def described(check: Check | None = None, flag: Flag | None = None) -> dict[str, Any]:
+    """The metadata of a setting: its rule and its flag."""
+    return {CHECK: check, FLAG: flag}
+
+
+def setting(default: Any, check: Check | None = None, *, flag: Flag | None = None) -> Any:
+    """A field of :class:`CoordinatorConfig`: its default, the rule its value must keep
+    (checked on construction, naming the setting), and its flag if users type it."""
+
+    def validate(_inst: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if check is not None:
+            check(attribute.name, value)
+
+    return attrs.field(default=default, validator=validate, metadata=described(check, flag))
+
+
+@attrs.frozen
 class CoordinatorConfig:
     """Everything the coordinator decides by. Defaults follow floDl v0.7+ unless noted."""
 
-    policy: Policy = attrs.field(default=Policy.CADENCE, converter=Policy)
-    heartbeat_interval: float = attrs.field(default=1.0, validator=_positive)
-    heartbeat_timeout: float = attrs.field(default=10.0, validator=_positive)
+    # A converter must reach attrs.field directly for type checkers to see it.
+    policy: Policy = attrs.field(
+        default=Policy.CADENCE,
+        converter=Policy,
+        metadata=described(flag=Flag("--policy", str, choices=tuple(p.value for p in Policy))),
+    )
+    heartbeat_interval: float = setting(1.0, check_seconds)
+    """Seconds between heartbeats each way (``flodl`` derives it: min(1 s, timeout / 4))."""
+    heartbeat_timeout: float = setting(
+        10.0, check_seconds, flag=Flag("--heartbeat-timeout", metavar="S")
+    )
     """Seconds of silence after which a rank is dead (floDl: 30 s; 10 s here)."""
-    handshake_timeout: float = attrs.field(default=10.0, validator=_positive)
-    reduce_stall_ceiling: float | None = attrs.field(default=None, validator=_optional_positive)
+    handshake_timeout: float = setting(10.0, check_seconds)
+    reduce_stall_ceiling: float | None = setting(
+        None,
+        optional(check_seconds),
+        flag=Flag(
+            "--stall-ceiling",
+            metavar="S",
+            help="reduce-stall ceiling (default: max(10 x heartbeat timeout, 300 s))",
+        ),
+    )
     """None means ``max(10 x heartbeat_timeout, 300 s)``."""
-    rendezvous_retry: float = attrs.field(default=5.0, validator=_positive)
-    backend: str | None = attrs.field(default=None)
+    rendezvous_retry: float = setting(5.0, check_seconds)
+    backend: str | None = setting(None)
     """The ranks' backend (``auto``, ``gloo``, ``nccl``) sent to each worker; None: each rank's
     own (``flodl run`` tells its ranks itself)."""
-    keep_checkpoints: int | None = attrs.field(default=None, validator=_optional_at_least_one)
+    keep_checkpoints: int | None = setting(None, optional(at_least(1)))
     """Bundles each rank keeps, sent to each worker; None: each rank's own."""
-    join_timeout: float = attrs.field(default=300.0, validator=_positive)
+    join_timeout: float = setting(
+        300.0,
+        check_seconds,
+        flag=Flag(
+            "--join-timeout",
+            metavar="S",
+            help="wait this long for every rank to join; then start with those that did while "
+            "--min-ranks allows, else fail naming the missing ranks (default 300)",
+        ),
+    )
     """Seconds the coordinator waits for every rank to join; then it starts with those that
     did while ``min_ranks`` allows, else fails naming the missing ones. A worker retries
     connecting for as long (``flodl worker --join-timeout``)."""
-    anchor: int = attrs.field(default=10, validator=_at_least_one)
-    max_anchor: int = attrs.field(default=1000, validator=_at_least_one)
-    overhead_target: float = attrs.field(default=0.05, validator=_positive)
-    relax_up: bool = False
+    anchor: int = setting(10, at_least(1), flag=Flag("--anchor", int))
+    max_anchor: int = setting(1000, at_least(1))
+    """The anchor never grows above this (``flodl`` derives it: max(1000, anchor))."""
+    overhead_target: float = setting(0.05, check_positive)
+    relax_up: bool = setting(
+        False,
+        flag=Flag(
+            "--relax-up",
+            None,
+            help="cadence/async: grow the anchor by one after every round the guard finds stable",
+        ),
+    )
     """Cadence/Async: after every round the guard judges stable, grow the anchor by one batch
     (within ``max_anchor`` and, with ``max_batch_diff``, while the fastest rank's count stays
     within that of the anchor's), so windows lengthen while averaging keeps converging
     (floDl's opt-in for Async; off by default, as there). Not with ``policy="sync"``."""
-    max_batch_diff: int | None = attrs.field(default=None, validator=_optional_non_negative_int)
-    guard: GuardKind = attrs.field(default=GuardKind.TREND, converter=GuardKind)
-    trend_threshold: float = attrs.field(default=0.05, validator=_positive)
-    window_cap_epochs: float | None = attrs.field(default=1.0, validator=_optional_positive)
+    max_batch_diff: int | None = setting(
+        None, optional(at_least(0)), flag=Flag("--max-batch-diff", int)
+    )
+    guard: GuardKind = attrs.field(
+        default=GuardKind.TREND, converter=GuardKind, metadata=described()
+    )
+    trend_threshold: float = setting(0.05, check_positive)
+    window_cap_epochs: float | None = setting(
+        1.0,
+        optional(check_positive),
+        flag=Flag(
+            "--window-cap-epochs",
+            help="a window holds at most this many epochs' batches (default 1, as floDl)",
+        ),
+    )
     """A window holds at most this many epochs' batches (floDl: 1). None: no cap. Raise it for
     small data sets, where one epoch is too short to amortise an averaging round."""
-    fill_idle_ranks: bool = True
+    fill_idle_ranks: bool = setting(True)
     """Cadence: a rank that has run its count while others still work is given the batches that
     fit in the time they still need, rather than waiting at the barrier (beyond floDl, whose
     fast ranks wait; see flodl/core/coordinator/fill.py). Not with ``max_batch_diff``."""
-    max_failure: MaxFailure | None = None
-    collective: bool = True
+    max_failure: MaxFailure | None = setting(None)
+    collective: bool = setting(True)
     """True for gloo/nccl groups: fewer than 2 survivors cannot average (SingleSurvivor)."""
-    min_ranks: int | None = attrs.field(default=None, validator=_optional_at_least_one)
+    min_ranks: int | None = setting(
+        None,
+        optional(at_least(1)),
+        flag=Flag(
+            "--min-ranks",
+            int,
+            metavar="N",
+            help="ranks that die before joining (not restarted): start without them while N "
+            "remain (default: 2 with a collective group, the SingleSurvivor rule)",
+        ),
+    )
     """A rank that dies before the world joined (and is not restarted): the run starts with
     the others while at least this many remain (None: 2 for a collective group, else 1)."""
-    checkpoint_every: int | None = attrs.field(default=None, validator=_optional_at_least_one)
+    checkpoint_every: int | None = setting(
+        None,
+        optional(at_least(1)),
+        flag=Flag(
+            "--checkpoint-every",
+            int,
+            metavar="N",
+            help="rank 0 (the lowest live rank) saves a bundle every N averaging rounds",
+        ),
+    )
     """The lowest live rank saves a bundle every this many averaging rounds (None: never)."""
-    checkpoint_every_epochs: int | None = attrs.field(
-        default=None, validator=_optional_at_least_one
+    checkpoint_every_epochs: int | None = setting(
+        None,
+        optional(at_least(1)),
+        flag=Flag(
+            "--checkpoint-every-epochs",
+            int,
+            metavar="N",
+            help="rank 0 (the lowest live rank) saves a bundle every N epochs",
+        ),
     )
     """The lowest live rank saves a bundle once this many more epochs are done (None: never)."""
 
@@ -170,18 +294,14 @@ class CoordinatorConfig:
         return self.heartbeat_timeout + 2.0
 
     def machine_settings(self) -> MachineSettings:
-        """What the coordinator machine decides by, with every default resolved."""
+        """What the coordinator machine decides by, with every default resolved.
+
+        Fields the machine's settings share with this class by name are copied by name; the
+        timeouts and checkpoint schedule are named for what the machine does with them.
+        """
         return MachineSettings(
-            policy=self.policy,
-            cadence=CadenceSettings(
-                anchor=self.anchor,
-                max_anchor=self.max_anchor,
-                overhead_target=self.overhead_target,
-                max_batch_diff=self.max_batch_diff,
-                relax_up=self.relax_up,
-                window_cap_epochs=self.window_cap_epochs,
-                fill_idle_ranks=self.fill_idle_ranks,
-            ),
+            **self._same_named(MachineSettings, skip=("cadence", "timeouts", "checkpoints")),
+            cadence=CadenceSettings(**self._same_named(CadenceSettings)),
             timeouts=Timeouts(
                 heartbeat=self.heartbeat_timeout,
                 reduce_stall=self.stall_ceiling,
@@ -192,9 +312,35 @@ class CoordinatorConfig:
             checkpoints=CheckpointSettings(
                 every_rounds=self.checkpoint_every, every_epochs=self.checkpoint_every_epochs
             ),
-            guard=self.guard,
-            trend_threshold=self.trend_threshold,
-            max_failure=self.max_failure,
-            collective=self.collective,
-            min_ranks=self.min_ranks,
         )
+
+    def _same_named(self, target: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+        names = [field.name for field in attrs.fields(target) if field.name not in skip]
+        return {name: getattr(self, name) for name in names}
+
+
+def flagged_settings() -> list[tuple[attrs.Attribute[Any], Flag]]:
+    """The settings of :class:`CoordinatorConfig` a user types as flags, in declaration order."""
+    fields = attrs.fields(CoordinatorConfig)
+    return [(field, field.metadata[FLAG]) for field in fields if field.metadata.get(FLAG)]
+
+
+def coordinator_config_from(options: Mapping[str, Any], **others: Any) -> CoordinatorConfig:
+    """A :class:`CoordinatorConfig` from typed flags: ``options`` maps each flagged setting's
+    name to its value (an argparse namespace's ``vars``). Each value is checked first, so a
+    bad one is refused by the flag's name; ``heartbeat_interval`` and ``max_anchor`` are
+    derived from what was typed; ``others`` are further settings as they are."""
+    values: dict[str, Any] = {}
+    for field, flag in flagged_settings():
+        value = options[field.name]
+        check = field.metadata[CHECK]
+        if check is not None:
+            check(flag.name, value)
+        values[field.name] = value
+    timeout, anchor = values["heartbeat_timeout"], values["anchor"]
+    return CoordinatorConfig(
+        **values,
+        heartbeat_interval=min(1.0, timeout / 4),
+        max_anchor=max(1000, anchor),
+        **others,
+    )

@@ -224,14 +224,14 @@ def test_nproc_reads_as_torchruns_nproc_per_node() -> None:
 
     import torch
 
-    from flodl.cli import _ranks_of, nproc_of
+    from flodl.launch.config import nproc_of, ranks_of
 
     assert nproc_of("3") == 3
     assert nproc_of("cpu") == os.cpu_count()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert nproc_of("auto") == (gpus or os.cpu_count())
-    assert _ranks_of("--show-ranks", "0,2-4") == frozenset({0, 2, 3, 4})
-    assert _ranks_of("--show-ranks", None) is None
+    assert ranks_of("--show-ranks", "0,2-4") == frozenset({0, 2, 3, 4})
+    assert ranks_of("--show-ranks", None) is None
 
 
 def test_show_ranks_relays_only_those_ranks_and_logs_all(tmp_path: Path) -> None:

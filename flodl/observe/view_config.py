@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import attrs
 
 from flodl.errors import ConfigError
 
-__all__ = ["ViewConfig", "is_loopback", "parse_bind"]
+__all__ = ["ViewConfig", "add_view_flags", "is_loopback", "parse_bind", "view_config_from"]
 
 
 def parse_bind(text: str) -> tuple[str, int]:
@@ -66,3 +67,46 @@ class ViewConfig:
         if len(token) < 16:
             raise ConfigError(f"--dashboard-token-file {path}: the token must be >= 16 characters")
         return token
+
+
+def add_view_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of what a run shows (``flodl run``, ``flodl coordinator``)."""
+    parser.add_argument(
+        "--no-live",
+        action="store_true",
+        help="no live table even on a terminal: plain lines (rank output and events) instead",
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print only the end-of-run summary (rank output is still in run_dir/rank<N>.log)",
+    )
+    parser.add_argument(
+        "--dashboard",
+        default=None,
+        metavar="[HOST:]PORT",
+        help="serve a live web dashboard, /api/state, /api/events and /metrics "
+        "(host default 127.0.0.1; any other host needs --dashboard-token-file)",
+    )
+    parser.add_argument(
+        "--dashboard-token-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="every dashboard request must present this file's token (Bearer or ?token=)",
+    )
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="write run_dir/report/index.html (plots of the event log) when the run ends",
+    )
+
+
+def view_config_from(args: argparse.Namespace) -> ViewConfig:
+    """The :class:`ViewConfig` the flags of :func:`add_view_flags` ask for."""
+    return ViewConfig(
+        live=False if args.no_live or args.quiet else None,
+        quiet=args.quiet,
+        dashboard=None if args.dashboard is None else parse_bind(args.dashboard),
+        dashboard_token_file=args.dashboard_token_file,
+    )
