@@ -15,8 +15,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from flodl.averaging.kernels import NormSample, warm_up
+from flodl.backends.generations import Comm
 from flodl.backends.pipeline import PendingOp
-from flodl.backends.torch_backend import Comm, TorchDistBackend
+from flodl.backends.torch_backend import TorchDistBackend
 
 
 def gloo_device(host: str) -> Any:

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
+from flodl.backends.generations import Comm
 from flodl.backends.pipeline import PendingOp
-from flodl.backends.torch_backend import DEFAULT_VERIFY_EVERY, Comm, TorchDistBackend
+from flodl.backends.torch_backend import DEFAULT_VERIFY_EVERY, TorchDistBackend
 from flodl.errors import BackendError
 
 ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"

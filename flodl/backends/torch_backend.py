@@ -1,13 +1,11 @@
-"""Shared machinery of the torch.distributed backends: generations, rounds, abandonment.
+"""Shared machinery of the torch.distributed backends: the round and its guarantees.
 
-Each generation's process group is built directly on a prefixed store (no global default
-group), so survivors can build generation ``g + 1`` while generation ``g`` is broken and an
-abandoned operation on it is still blocked in a thread. Every blocking torch call runs in a
-worker thread; collectives work on a scratch flat buffer (kept between rounds, dropped after
-a failed or abandoned one, which may still be written by its ops), reduced in buckets that
-overlap packing and checking with the wire (:mod:`flodl.backends.pipeline`), and only after a
-round succeeded (and, on verified rounds, its checksums agreed) is the result written into
-the live tensors.
+Group lifecycle (forming, breaking, retiring generations; the stores) lives in
+:mod:`flodl.backends.generations`; what an average is, in :mod:`flodl.averaging`. Collectives
+work on a scratch flat buffer (kept between rounds, dropped after a failed or abandoned one,
+which may still be written by its ops), reduced in buckets that overlap packing and checking
+with the wire (:mod:`flodl.backends.pipeline`), and only after a round succeeded (and, on
+verified rounds, its checksums agreed) is the result written into the live tensors.
 
 Cancellation: if the caller's cancel scope fires during a round, the worker thread is
 abandoned, the generation is marked broken (NCCL: its communicator is aborted) and
@@ -15,20 +13,12 @@ abandoned, the generation is marked broken (NCCL: its communicator is aborted) a
 died, the per-op timeout expired) or that this backend abandons itself (a new generation was
 joined) raises :class:`~flodl.errors.CollectiveAborted`. A broken generation refuses further
 rounds until a new one is joined.
-
-Dropping the last reference to a group with a pending op blocks until the op ends (gloo), so
-retired groups wait in a graveyard and are released only in worker threads.
 """
 
 from __future__ import annotations
 
-import gc
-import threading
-from collections.abc import Callable, Sequence
-from datetime import timedelta
-from typing import Protocol, TypeVar
+from collections.abc import Sequence
 
-import attrs
 import torch
 import torch.distributed as dist
 import trio
@@ -45,11 +35,11 @@ from flodl.averaging.mass import (
     pack,
 )
 from flodl.backends.base import DEFAULT_ALPHA, AverageResult
-from flodl.backends.group import GroupInfo, connect_store, host_store
+from flodl.backends.generations import Comm as Comm  # the communicator subclasses build
+from flodl.backends.generations import Generation, Generations, Ticket
 from flodl.backends.pipeline import (
     BucketPlan,
     Landed,
-    PendingOp,
     Scratch,
     ScratchPool,
     install,
@@ -59,88 +49,12 @@ from flodl.backends.pipeline import (
 )
 from flodl.errors import BackendError, CollectiveAborted
 
-T = TypeVar("T")
-
 DEFAULT_VERIFY_EVERY = 10
 """Verify the first round of a generation, then every 10th (see TorchDistBackend)."""
 
 
-class Comm(Protocol):
-    """One generation's communicator. All but ``abandon`` run in worker threads."""
-
-    def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
-        """Reduce ``tensor`` in place with every member; raise RuntimeError on failure."""
-        ...
-
-    def start_allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> PendingOp:
-        """Start reducing ``tensor`` in place; ops complete in the order they were started."""
-        ...
-
-    def abandon(self) -> None:
-        """Called on the trio thread: make any op stuck in another thread end soon."""
-        ...
-
-    def release(self, broken: bool) -> None:
-        """Tear the communicator down (blocking; only once no op is pending)."""
-        ...
-
-
 class _GroupVerifyFailed(BackendError):
     """Internal: the checksum collective found ranks holding different averages."""
-
-
-@attrs.define(eq=False)
-class _Ticket:
-    """One op handed to a worker thread; the thread clears ``comm`` and sets ``done`` at its end."""
-
-    comm: Comm | None
-    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    done: threading.Event = attrs.field(factory=threading.Event)
-    abandoned: bool = False
-
-
-@attrs.define(eq=False)
-class _Generation:
-    number: int
-    rank: int
-    world_size: int
-    comm: Comm | None
-    broken: bool = False
-    tickets: set[_Ticket] = attrs.field(factory=set)
-    rounds: int = 0  # rounds started on this generation (the verify cadence counts them)
-
-
-@attrs.define(eq=False)
-class _Corpse:
-    """A retired communicator waiting to be released once its ops have ended."""
-
-    comm: Comm
-    broken: bool
-    pending: list[threading.Event]
-
-    def idle(self) -> bool:
-        return all(ev.is_set() for ev in self.pending)
-
-
-def _release_corpses(corpses: list[_Corpse], wait_s: float, *, collect: bool) -> None:
-    """Worker thread: wait (bounded) for pending ops, then tear the communicators down.
-
-    Dropping the last reference frees a group at once; ``collect`` also runs the cycle
-    collector, for a group some cycle still holds. Only :meth:`TorchDistBackend.close` asks
-    for it: a full collection holds the GIL for ~0.15 s in a process with torch loaded, and a
-    burial during recovery that collects stalls the survivors' first round on the new group
-    (every survivor at once, on shared cores: 0.9 s at 8 ranks here, 2 s at 16)."""
-    while corpses:
-        corpse = corpses.pop()
-        for ev in corpse.pending:
-            ev.wait(wait_s)
-        try:
-            corpse.comm.release(corpse.broken)
-        except Exception:  # a broken group may complain on teardown; it is gone either way
-            pass
-        del corpse
-    if collect:
-        gc.collect()
 
 
 class TorchDistBackend:
@@ -212,15 +126,8 @@ class TorchDistBackend:
         self.norm_sample: NormSample | None = (
             self.default_norm_sample if norm_sample is True else norm_sample or None
         )
-        self._current: _Generation | None = None
-        self._hosted: dict[int, TCPStore] = {}
-        self._graveyard: list[_Corpse] = []
-        self._burials: list[threading.Event] = []
-        """Groups being released in their own threads; :meth:`close` waits for them."""
+        self._groups = Generations(self.name, op_timeout)
         self._lock = trio.Lock()
-        # Abandoned threads hold a token until their op ends: keep them off trio's default.
-        self._limiter = trio.CapacityLimiter(64)
-        self._closed = False
 
     # --- subclass hooks -------------------------------------------------------------------
 
@@ -232,46 +139,23 @@ class TorchDistBackend:
     # --- state ----------------------------------------------------------------------------
 
     @property
+    def _current(self) -> Generation | None:
+        return self._groups.current
+
+    @property
     def generation(self) -> int | None:
-        return None if self._current is None else self._current.number
+        current = self._current
+        return None if current is None else current.number
 
     @property
     def broken(self) -> bool:
-        return self._current is None or self._current.broken
+        current = self._current
+        return current is None or current.broken
 
-    def _live_generation(self) -> _Generation:
-        if self._closed:
-            raise BackendError(f"{self.name} backend is closed")
-        gen = self._current
-        if gen is None:
-            raise BackendError(f"{self.name} backend has not joined a group yet")
-        if gen.broken or gen.comm is None:
-            raise CollectiveAborted(
-                f"group generation {gen.number} is broken; join a new generation first"
-            )
-        return gen
-
-    def _break(self, gen: _Generation) -> None:
-        """Mark ``gen`` broken, abort its communicator, cancel every op still running on it."""
-        if gen.broken:
-            return
-        gen.broken = True
-        for ticket in gen.tickets:
-            ticket.abandoned = True
-            ticket.scope.cancel()
-        if gen.comm is not None:
-            gen.comm.abandon()
-
-    def _retire(self, gen: _Generation) -> None:
-        """Move ``gen`` to the graveyard; ops still running on it are abandoned first."""
-        pending = [t.done for t in gen.tickets if not t.done.is_set()]
-        if pending:
-            self._break(gen)
-        if gen.comm is not None:
-            self._graveyard.append(_Corpse(comm=gen.comm, broken=gen.broken, pending=pending))
-            gen.comm = None
-        gen.broken = True
-        self._hosted.pop(gen.number, None)
+    @property
+    def _hosted(self) -> dict[int, TCPStore]:
+        """The stores this process hosts for its group's members, by generation."""
+        return self._groups.hosted
 
     # --- group formation ------------------------------------------------------------------
 
@@ -281,11 +165,7 @@ class TorchDistBackend:
         The store stays alive in this process until the generation is retired (the process
         group built on it also holds it).
         """
-        if self._closed:
-            raise BackendError(f"{self.name} backend is closed")
-        store, info = host_store(generation, host)
-        self._hosted[generation] = store
-        return info.encode()
+        return self._groups.prepare(generation, host)
 
     async def join_group(
         self, info: bytes, rank: int, world_size: int, generation: int, host: str = ""
@@ -296,58 +176,11 @@ class TorchDistBackend:
         ``join_timeout`` passes (:class:`BackendError`). On cancellation the half-built group
         is dropped in its thread and ``trio.Cancelled`` propagates; the current one is kept.
         """
-        if self._closed:
-            raise BackendError(f"{self.name} backend is closed")
-        if not 0 <= rank < world_size:
-            raise BackendError(f"rank {rank} is not in range(world_size={world_size})")
-        if self._current is not None and generation <= self._current.number:
-            raise BackendError(
-                f"generation {generation} is not newer than the current {self._current.number}"
-            )
-        parsed = GroupInfo.decode(info)
-        timeout = timedelta(seconds=self.join_timeout)
 
-        def build() -> Comm:
-            store = connect_store(parsed, timeout)
+        def make_comm(store: Store) -> Comm:
             return self._make_comm(store, rank, world_size, host)
 
-        try:
-            comm = await trio.to_thread.run_sync(
-                build, abandon_on_cancel=True, limiter=self._limiter
-            )
-        except RuntimeError as err:
-            raise BackendError(
-                f"{self.name}: could not form group generation {generation} "
-                f"as rank {rank}/{world_size}: {err}"
-            ) from err
-        old = self._current
-        self._current = _Generation(generation, rank, world_size, comm)
-        if old is not None:
-            self._retire(old)
-        self._bury_idle()
-
-    def _bury_idle(self) -> None:
-        """Release retired groups whose ops have all ended, in a thread of their own.
-
-        Not awaited: tearing down a group that held a dead peer takes ~200 ms here, and the
-        new group must not wait for it (it is on the recovery path). :meth:`close` waits for
-        every burial, so no group outlives the process (Pitfall P4).
-        """
-        idle = [c for c in self._graveyard if c.idle()]
-        if not idle:
-            return
-        self._graveyard = [c for c in self._graveyard if not c.idle()]
-        done = threading.Event()
-        wait_s = self.op_timeout
-
-        def bury() -> None:
-            try:
-                _release_corpses(idle, wait_s, collect=False)
-            finally:
-                done.set()
-
-        trio.lowlevel.start_thread_soon(bury, lambda _outcome: None)
-        self._burials.append(done)
+        await self._groups.join(info, rank, world_size, generation, self.join_timeout, make_comm)
 
     # --- rounds ---------------------------------------------------------------------------
 
@@ -370,48 +203,9 @@ class TorchDistBackend:
         if top_high != -neg_bottom_high or top_low != -neg_bottom_low:
             raise _GroupVerifyFailed("ranks hold different sums after the all-reduce")
 
-    async def _in_thread(self, gen: _Generation, fn: Callable[[Comm, _Ticket], T]) -> T:
-        """Run ``fn(comm, ticket)`` in an abandonable worker thread tied to ``gen``."""
-        ticket = _Ticket(comm=gen.comm)
-        gen.tickets.add(ticket)
-
-        def run() -> T:
-            try:
-                comm = ticket.comm
-                if comm is None or ticket.abandoned:
-                    raise CollectiveAborted("abandoned before it started")
-                return fn(comm, ticket)
-            finally:
-                ticket.comm = None
-                ticket.done.set()
-
-        try:
-            with ticket.scope:
-                return await trio.to_thread.run_sync(
-                    run, abandon_on_cancel=True, limiter=self._limiter
-                )
-            # Only our own _break() cancels ticket.scope: the group was abandoned under us.
-            raise CollectiveAborted(f"group generation {gen.number} was abandoned")
-        except trio.Cancelled:
-            self._break(gen)
-            raise
-        except _GroupVerifyFailed as err:
-            self._break(gen)
-            raise BackendError(f"{self.name} generation {gen.number}: {err}") from None
-        except (RuntimeError, CollectiveAborted) as err:
-            self._break(gen)
-            if isinstance(err, CollectiveAborted):
-                raise
-            raise CollectiveAborted(
-                f"{self.name} collective failed on generation {gen.number}: {err}"
-            ) from err
-        finally:
-            if ticket.done.is_set():
-                gen.tickets.discard(ticket)
-
     async def _reduce(
         self,
-        gen: _Generation,
+        gen: Generation,
         plan: BucketPlan,
         scratch: Scratch,
         live: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None,
@@ -420,13 +214,14 @@ class TorchDistBackend:
     ) -> Landed:
         """Reduce in buckets (packing ``live`` first unless None), then verify if asked.
 
-        Raises as :meth:`_in_thread`; on any raise the scratch may still be written by ops in
-        flight and must not be used again.
+        Raises as :meth:`Generations.run`, and :class:`BackendError` (the group broken) when
+        the verify collective finds ranks holding different sums; on any raise the scratch
+        may still be written by ops in flight and must not be used again.
         """
         verify = self.verify and gen.rounds % self.verify_every == 0
         gen.rounds += 1  # every rank runs the same rounds on a generation: same choice
 
-        def work(comm: Comm, ticket: _Ticket) -> Landed:
+        def work(comm: Comm, ticket: Ticket) -> Landed:
             sources = None if live is None else members(*live, plan.layout)
             landed = reduce_in_buckets(
                 comm,
@@ -445,7 +240,11 @@ class TorchDistBackend:
                 self._verify(comm, landed.checksum, scratch.flat.device)
             return landed
 
-        return await self._in_thread(gen, work)
+        try:
+            return await self._groups.run(gen, work)
+        except _GroupVerifyFailed as err:
+            self._groups.break_(gen)
+            raise BackendError(f"{self.name} generation {gen.number}: {err}") from None
 
     async def average(
         self,
@@ -464,7 +263,7 @@ class TorchDistBackend:
         mass_of(batches, gamma)  # validates before anything starts
         layout = FlatLayout.of(params, buffers)
         async with self._lock:
-            gen = self._live_generation()
+            gen = self._groups.live()
             plan = self._plan_for(layout)
             scratch = self._pool.take(plan)
             landed = await self._reduce(gen, plan, scratch, (params, buffers), batches, gamma)
@@ -505,7 +304,7 @@ class TorchDistBackend:
         :meth:`BackgroundAverage.blend_into` once it has landed.
         """
         layout = FlatLayout.of(params, buffers)
-        gen = self._live_generation()
+        gen = self._groups.live()
         plan = self._plan_for(layout)
         scratch = self._pool.take(plan)
         await trio.to_thread.run_sync(pack, params, buffers, layout, batches, gamma, scratch.flat)
@@ -515,7 +314,7 @@ class TorchDistBackend:
 
     async def _background_round(
         self,
-        gen: _Generation,
+        gen: Generation,
         plan: BucketPlan,
         scratch: Scratch,
         pending: BackgroundAverage,
@@ -529,7 +328,7 @@ class TorchDistBackend:
                 pending._land(scratch, landed.reduced, None)
                 return
             pending._land(None, None, CollectiveAborted("background average was abandoned"))
-            self._break(gen)
+            self._groups.break_(gen)
         except BackendError as err:
             pending._land(None, None, err)
         except trio.Cancelled:
@@ -542,22 +341,9 @@ class TorchDistBackend:
         Waits (in a worker thread, at most about ``op_timeout`` per pending op) for abandoned
         ops to end, so a process that awaited this exits cleanly. Idempotent.
         """
-        self._closed = True
         self._pool.clear()
         self._installed = None  # the parameters keep their buffer alive
-        if self._current is not None:
-            self._retire(self._current)
-        self._hosted.clear()
-        corpses, self._graveyard = self._graveyard, []
-        burials, self._burials = self._burials, []
-        wait_s = self.op_timeout + 5.0
-
-        def finish() -> None:
-            for done in burials:
-                done.wait(wait_s)
-            _release_corpses(corpses, wait_s, collect=True)
-
-        await trio.to_thread.run_sync(finish, abandon_on_cancel=True)
+        await self._groups.close()
 
 
 def _result(applied: Applied, reduced: Reduced, skipped: bool) -> AverageResult:
