@@ -31,12 +31,12 @@ async def coordinate(coordinator: Coordinator, stops: StopSignals | None = None)
         says = ("stop at once", "stopping at once; ranks still saving lose their work")
         await nursery.start(watch_signals, coordinator, stops, nursery.cancel_scope.cancel, says)
         await coordinator.wait_finished()
-        if coordinator.machine.outcome.save_reason is not None:
+        if coordinator.record.outcome.save_reason is not None:
             # Each rank reports its bundle before it hangs up: wait for the reports.
             with trio.move_on_after(SAVE_REPORTS_WAIT_S):
                 await coordinator.wait_all_hung_up()
         nursery.cancel_scope.cancel()
-    outcome = coordinator.machine.outcome
+    outcome = coordinator.record.outcome
     why = outcome.message + (f" ({stops.received[0]})" if stops.received else "")
     if stops.killed:
         return f"flodl: run stopped at once by a second {stops.received[-1]}: {why}", 1
@@ -44,7 +44,7 @@ async def coordinate(coordinator: Coordinator, stops: StopSignals | None = None)
         # The bundles are on the ranks' hosts: what each rank reported (its output says more).
         return (
             f"flodl: run stopped, every rank asked to save (save_reason "
-            f"{outcome.save_reason.name}): {why}; {_reported(coordinator.machine.stop_saves)}",
+            f"{outcome.save_reason.name}): {why}; {_reported(coordinator.record.stop_saves)}",
             0 if outcome.save_reason.name == "GRACEFUL" else 1,
         )
     return (

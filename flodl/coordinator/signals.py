@@ -73,7 +73,7 @@ async def _take_signals(
         if signum == signal.SIGHUP and len(stops.received) > 1:
             continue  # the terminal closing again (module docstring): the save goes on
         if len(stops.received) == 1:
-            if coordinator.machine.finished:
+            if coordinator.record.finished:
                 text = f"flodl: {name}: the run has ended; waiting for the ranks to exit"
             else:
                 text = f"flodl: {name}: every rank saves its bundle, then stops"

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from flodl.core.coordinator.record import RunRecord
 from flodl.observe.hub import Observer
 
 __all__ = ["CONTENT_TYPE", "RunMetrics", "StepClock"]
@@ -34,18 +35,18 @@ RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.
 
 class StepClock:
     """When each rank last ran a batch, as far as the coordinator's per-rank batch counters
-    (``machine.stats[rank].batches``) show: :meth:`check` notes the time whenever a count moved.
+    (``record.stats[rank].batches``) show: :meth:`check` notes the time whenever a count moved.
     It is checked at every event record and every scrape, so an age is low by at most the time
     since the check before (a round, or a scrape interval)."""
 
-    def __init__(self, machine: Any) -> None:
-        self._machine = machine
+    def __init__(self, record: RunRecord) -> None:
+        self._record = record
         self._batches: dict[int, int] = {}
         self._at: dict[int, float] = {}
 
     def check(self, now: float) -> None:
         """Note ``now`` for each rank whose batch count moved since the last check."""
-        for rank, stats in enumerate(self._machine.stats):
+        for rank, stats in enumerate(self._record.stats):
             batches = int(stats.batches)
             if batches != self._batches.get(rank, 0):
                 self._at[rank] = now
@@ -181,7 +182,7 @@ class RunMetrics:
             buckets=RECOVERY_BUCKETS,
             registry=reg,
         )
-        self.steps = StepClock(observer.coordinator.machine)
+        self.steps = StepClock(observer.coordinator.record)
         reg.register(_LiveCollector(observer, self.steps))
         for record in observer.history:
             self.take(record)
