@@ -5,19 +5,19 @@ coordinator to a rank, 64-127 from a rank to the coordinator (see :data:`TO_RANK
 :data:`TO_COORDINATOR`), so a frame going the wrong way is rejected as unknown.
 
 On the wire a message is its tag (in the frame header) and a CBOR map of its fields
-(:func:`to_payload` / :func:`from_payload`). Constructing a message validates every field, so a
-decoded message is as trustworthy as one built locally.
+(:func:`to_payload` / :func:`from_payload`, built by :mod:`flodl.wire.payload` from this
+catalogue). Constructing a message validates every field, so a decoded message is as
+trustworthy as one built locally.
 """
 
 from __future__ import annotations
 
 import enum
-import operator
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import attrs
 
-from flodl.errors import MessageValidationError, UnknownMessage
+from flodl.errors import MessageValidationError
 from flodl.wire.fields import (
     blob,
     duration_list,
@@ -31,6 +31,7 @@ from flodl.wire.fields import (
     text,
     u64,
 )
+from flodl.wire.payload import Payloads
 
 
 class SaveReason(enum.IntEnum):
@@ -433,72 +434,13 @@ TO_COORDINATOR: tuple[type[Message], ...] = (
 
 ALL_MESSAGES: tuple[type[Message], ...] = TO_RANK + TO_COORDINATOR
 
-BY_TAG: dict[int, type[Message]] = {cls.TAG: cls for cls in ALL_MESSAGES}
-assert len(BY_TAG) == len(ALL_MESSAGES), "duplicate message tag"
+_PAYLOADS = Payloads(ALL_MESSAGES)
 
-_FIELD_NAMES: dict[type[Message], tuple[str, ...]] = {
-    cls: tuple(f.name for f in attrs.fields(cls)) for cls in ALL_MESSAGES
-}
-_GETTERS: dict[type[Message], Any] = {
-    cls: operator.attrgetter(*names) for cls, names in _FIELD_NAMES.items() if names
-}
-_GETTERS.update({cls: lambda _m: () for cls, names in _FIELD_NAMES.items() if not names})
-_MAP_FIELDS: dict[type[Message], frozenset[str]] = {
-    cls: frozenset(f.name for f in attrs.fields(cls) if f.metadata.get("wire_map"))
-    for cls in ALL_MESSAGES
-}
-_REQUIRED: dict[type[Message], frozenset[str]] = {
-    cls: frozenset(f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING)
-    for cls in ALL_MESSAGES
-}
+BY_TAG: dict[int, type[Message]] = _PAYLOADS.by_tag
+"""Every message class by its wire tag."""
 
-
-def to_payload(message: Message) -> dict[str, Any]:
-    """The CBOR-ready map of a message's fields (enums as ints, maps as dicts)."""
-    cls = type(message)
-    getter = _GETTERS.get(cls)
-    if getter is None:
-        raise UnknownMessage(f"{cls.__name__} is not a registered flodl message")
-    names = _FIELD_NAMES[cls]
-    if len(names) == 1:
-        payload = {names[0]: getter(message)}
-    else:
-        payload = dict(zip(names, getter(message), strict=True))
-    for name in _MAP_FIELDS[cls]:
-        payload[name] = dict(payload[name])
-    return payload
-
-
-def from_payload(tag: int, payload: object, allowed: frozenset[int] | None = None) -> Message:
-    """Build the message for ``tag`` from a decoded payload, validating every field.
-
-    Raises :class:`UnknownMessage` for a tag that is unknown (or not in ``allowed``) and
-    :class:`MessageValidationError` for a payload that is not a map, has missing or extra
-    fields, or holds a value of the wrong type or range.
-    """
-    cls = BY_TAG.get(tag)
-    if cls is None or (allowed is not None and tag not in allowed):
-        raise UnknownMessage(f"unknown message tag {tag}")
-    if type(payload) is not dict:
-        raise MessageValidationError(
-            f"{cls.__name__}: payload must be a map, got {type(payload).__name__}"
-        )
-    try:
-        return cls(**payload)
-    except MessageValidationError as err:
-        raise MessageValidationError(f"{cls.__name__}: {err}") from None
-    except TypeError:
-        # Missing, unexpected or non-string keys: explain precisely (off the hot path).
-        names = _FIELD_NAMES[cls]
-        keys = set(payload.keys())
-        missing = sorted(_REQUIRED[cls] - keys)
-        extra = sorted(repr(k) for k in keys - set(names))
-        raise MessageValidationError(
-            f"{cls.__name__}: missing fields {missing}, unexpected fields {extra}"
-        ) from None
-    except ValueError as err:  # a converter of an enum or list choked on a forged value
-        raise MessageValidationError(f"{cls.__name__}: {err}") from None
-
+to_payload = _PAYLOADS.to_payload
+from_payload = _PAYLOADS.from_payload
 
 TO_RANK_TAGS: frozenset[int] = frozenset(cls.TAG for cls in TO_RANK)
 TO_COORDINATOR_TAGS: frozenset[int] = frozenset(cls.TAG for cls in TO_COORDINATOR)
