@@ -194,16 +194,12 @@ def long_definitions(root: Path) -> list[str]:
 # Modules and classes over the limits that are still to be split; each leaves this list when
 # it is, so the list can only shrink.
 STILL_TO_SPLIT = [
-    "module flodl/backends/torch_backend.py: 640 lines",
-    "class flodl/backends/torch_backend.py:TorchDistBackend: 415 lines",
     "module flodl/coordinator/server.py: 637 lines",
     "class flodl/coordinator/server.py:Coordinator: 412 lines",
     "module flodl/core/coordinator/machine.py: 641 lines",
     "class flodl/core/coordinator/machine.py:CoordinatorMachine: 521 lines",
     "module flodl/core/rank/machine.py: 627 lines",
     "class flodl/core/rank/machine.py:RankMachine: 479 lines",
-    "module flodl/transports/memory_stream.py: 545 lines",
-    "module flodl/wire/messages.py: 504 lines",
 ]
 
 
