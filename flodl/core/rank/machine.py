@@ -18,35 +18,27 @@ The work protocol (what :mod:`flodl.core.coordinator.machine` relies on):
   DeclareDead, group set-up, Shutdown); work, SyncNow and Checkpoint queue in arrival order for
   the next *batch boundary*, where the training loop is waiting. Work that arrives with
   nothing queued before it is queued at once (it needs no boundary);
-* one ``Batch`` per finished batch; ``step_count`` counts batches and finished averages.
-  A machine built with ``coalesce=True`` holds its reports instead and sends them together
-  as one ``Batches`` frame: before anything else it sends (so the coordinator sees every
-  report in order, and a chunk's reports before its ``Metrics``), in place of the next
-  heartbeat, or once :data:`MAX_COALESCED` are held. Such a rank also skips a heartbeat when
-  it sent another frame since the last one (any frame is a sign of life to the coordinator),
-  so it sends a frame at least every two heartbeat intervals;
+* one ``Batch`` per finished batch (or, with ``coalesce=True``, ``Batches`` frames),
+  ``SyncAck`` after each average, ``Note`` then ``Exiting`` when the run ends for this rank,
+  in the frames and order :mod:`flodl.core.rank.reports` describes; ``step_count`` counts
+  batches and finished averages;
 * when the work runs dry (or the epoch changes), one ``Metrics`` for the chunk just finished
-  (its completion frame, with the chunk's wall time and the idle time within it);
-* ``SyncAck`` after each average; ``Note`` then ``Exiting`` when the run ends for this rank.
+  (its completion frame, with the chunk's wall time and the idle time within it).
 
-Parameters are read or written only at a boundary, so a step and an average never overlap.
-Under the Async policy the boundary only starts a background round on a snapshot; its result
-is blended in at a later boundary, or taken exactly when nothing was trained since the
-snapshot (:class:`~flodl.core.rank.effects.Blend`), as in the run's last round: every rank
-ends with the same parameters.
+Parameters are read or written only at a boundary, so a step and an average never overlap;
+under the Async policy a round runs in the background (:mod:`flodl.core.rank.averages`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Protocol
-
-import attrs
+from typing import Any
 
 from flodl.core.common.job import Job
 from flodl.core.common.policy import Policy
 from flodl.core.common.work import BatchSlice
+from flodl.core.rank.averages import RankAverages
 from flodl.core.rank.batches import RankWork
 from flodl.core.rank.effects import (
     Average,
@@ -65,31 +57,27 @@ from flodl.core.rank.effects import (
     SaveAndStop,
     SaveCheckpoint,
     SaveOnLoss,
-    Send,
     Wait,
     Wake,
 )
+from flodl.core.rank.reports import MAX_COALESCED, MeasuredRound, RankReports, RoundFigures
 from flodl.core.rank.state import Lifecycle, Move, RankState
 from flodl.core.rank.times import RankTimes
 from flodl.errors import ConfigError, FlodlError, OutOfTurn, UnexpectedMessage
 from flodl.wire.messages import (
     STOP_SAVE_VERSION,
     Abort,
-    Batch,
     Batches,
     Checkpoint,
-    CheckpointResult,
     CoordHeartbeat,
     DeclareDead,
     EpochAggregated,
-    Exiting,
     ExtendPartition,
     Heartbeat,
     Intent,
     IntentKind,
     Message,
     NewGroupSession,
-    Note,
     Ready,
     RequestNewGroup,
     RunSettings,
@@ -98,48 +86,14 @@ from flodl.wire.messages import (
     Shutdown,
     ShutdownWithSave,
     StartEpoch,
-    SyncAck,
     SyncNow,
     Throttle,
 )
 
-__all__ = ["MeasuredRound", "RankMachine", "RoundFigures"]
-
-MAX_COALESCED = 1024
-"""A coalescing rank sends its held reports once it holds this many (a frame's size bound)."""
+__all__ = ["MAX_COALESCED", "MeasuredRound", "RankMachine", "RoundFigures"]
 
 _NEEDS_JOB = (StartEpoch, ExtendPartition, SyncNow, Checkpoint, SaveConsensusModel)
 """Messages that only make sense once the job is announced."""
-
-
-class RoundFigures(Protocol):
-    """What a finished average reports (the backend's result has these attributes)."""
-
-    @property
-    def divergence(self) -> float: ...
-    @property
-    def post_norm(self) -> float: ...
-    @property
-    def pre_norm(self) -> float: ...
-
-
-@attrs.frozen
-class MeasuredRound:
-    """Figures of an average for a shell with no backend result to hand (a simulation, a
-    test). NaN: not measured (the SyncAck then carries None)."""
-
-    divergence: float = math.nan
-    post_norm: float = math.nan
-    pre_norm: float = math.nan
-
-
-@attrs.define
-class _Background:
-    """An Async round reducing a snapshot of ``batches`` batches."""
-
-    sync: SyncNow
-    batches: int
-    landed: bool = False
 
 
 class RankMachine:
@@ -152,15 +106,8 @@ class RankMachine:
         self.world_size = world_size
         self.policy = policy
         self.coalesce = coalesce
-        """Batch reports go out coalesced, as ``Batches`` (module docstring)."""
-        self._held_ms: list[float] = []
-        self._held_data_ms: list[float] = []
-        self._held_loss: list[float] = []
-        """Coalescing: the reports not sent yet, oldest first (one entry per batch)."""
-        self._held_step = 0
-        """Coalescing: the step count right after the last held batch."""
-        self._sent_since_beat = False
-        """Coalescing: a frame went out since the last :meth:`heartbeat`."""
+        """Batch reports go out coalesced, as ``Batches`` (:mod:`~flodl.core.rank.reports`)."""
+        self._reports = RankReports(rank, coalesce)
         self.life = Lifecycle()
         """The state (``life.state``) and why the run ended for this rank."""
         self.job: Job | None = None
@@ -170,15 +117,13 @@ class RankMachine:
         self.syncs = 0
         self.global_step = 0
         """The run's global step as last set by the coordinator (SetGlobalStep)."""
-        self.since_average = 0
-        """Batches run since the last average this rank took part in."""
+        self._averages = RankAverages()
         self.times = RankTimes()
         self.last_epoch: EpochAggregated | None = None
         self.throttled = False
         self.work: RankWork | None = None
         """The batches: queued, out, reserved (set when the job is announced)."""
         self._inbox: deque[Message] = deque()
-        self._background: _Background | None = None
         self._step: BoundaryStep | None = None
         """The step handed to the shell and not reported finished yet."""
 
@@ -204,6 +149,11 @@ class RankMachine:
         """Messages waiting for the next batch boundary."""
         return len(self._inbox)
 
+    @property
+    def since_average(self) -> int:
+        """Batches run since the last average this rank took part in."""
+        return self._averages.since_average
+
     def announce(self, job: Job) -> list[RankEffect]:
         """The training loop describes its job: ``Ready``. ConfigError for a job that cannot
         run or differs from the one announced before; an identical second call does nothing."""
@@ -224,7 +174,7 @@ class RankMachine:
             batch_size=job.batch_size,
             epochs=job.epochs,
         )
-        return self._out([Send(ready)])
+        return self._reports.send(ready)
 
     def connection_lost(self, error: FlodlError) -> list[Reaction]:
         """The coordinator fell silent or the connection broke. Once ending this changes
@@ -245,43 +195,13 @@ class RankMachine:
     @property
     def held(self) -> int:
         """Batch reports held back for the next ``Batches`` frame (coalescing only)."""
-        return len(self._held_ms)
+        return self._reports.held
 
     def heartbeat(self) -> Heartbeat | Batches | None:
         """What to send at the heartbeat interval: a ``Heartbeat``; when coalescing, the held
         reports instead (a sign of life too), or nothing when another frame went out since
         the last call. The shell sends it in order with the machine's other messages."""
-        if not self.coalesce:
-            return Heartbeat(rank=self.rank, step_count=self.step_count)
-        sent, self._sent_since_beat = self._sent_since_beat, False
-        if self._held_ms:
-            return self._take_held()
-        return None if sent else Heartbeat(rank=self.rank, step_count=self.step_count)
-
-    def _take_held(self) -> Batches:
-        """The held reports as one frame (they are no longer held)."""
-        batches = Batches(
-            rank=self.rank,
-            step_count=self._held_step,
-            batch_ms=tuple(self._held_ms),
-            data_ms=tuple(self._held_data_ms),
-            batch_loss=tuple(self._held_loss),
-        )
-        self._held_ms.clear()
-        self._held_data_ms.clear()
-        self._held_loss.clear()
-        return batches
-
-    def _out(self, effects: list[RankEffect]) -> list[RankEffect]:
-        """Coalescing: the held reports go out just before the first message of ``effects``."""
-        if self.coalesce:
-            for at, effect in enumerate(effects):
-                if isinstance(effect, Send):
-                    self._sent_since_beat = True
-                    if self._held_ms:
-                        effects.insert(at, Send(self._take_held()))
-                    break
-        return effects
+        return self._reports.heartbeat(self.step_count)
 
     def request_checkpoint(self) -> list[RankEffect]:
         """The script asks for a bundle of this rank: ``Intent(CHECKPOINT_NOW)``; the
@@ -290,7 +210,7 @@ class RankMachine:
         self.life.raise_if_lost()
         if self.life.ending or self.life.done:
             return []
-        return self._out([Send(Intent(rank=self.rank, kind=IntentKind.CHECKPOINT_NOW))])
+        return self._reports.send(Intent(rank=self.rank, kind=IntentKind.CHECKPOINT_NOW))
 
     # --- messages ----------------------------------------------------------------------------
 
@@ -380,7 +300,7 @@ class RankMachine:
         :mod:`flodl.core.rank.effects`). After a step that takes time, report its end, then
         call again; after :class:`Wait`, call again once something changed. Bad work
         queued behind other messages raises ProtocolError here, to the training loop."""
-        return self._out(self._boundary(now))
+        return self._reports.out(self._boundary(now))
 
     def _boundary(self, now: float) -> list[RankEffect]:
         if not self.times.in_boundary:
@@ -402,7 +322,7 @@ class RankMachine:
         if state is RankState.ENDING:
             life.move(Move.GOODBYE)
             life.note_exit("completed")
-            return [*self._goodbye("shut down by the coordinator"), Finish()]
+            return [*self._reports.goodbye("shut down by the coordinator"), Finish()]
         if state is RankState.SAVE_PENDING:
             assert life.save_reason is not None
             life.move(Move.START_SAVE)
@@ -410,13 +330,12 @@ class RankMachine:
             return [CancelRound(), self._step]
         if state is RankState.SAVING:
             raise OutOfTurn("boundary() while the bundle is being saved")
-        background = self._background
-        if background is not None:  # its batches are settled before another round starts
-            if background.landed:  # since_average: batches trained since its snapshot
-                self._step = Blend(background.sync, exact=self.since_average == 0)
-                return [self._step]
-            if self._inbox and isinstance(self._inbox[0], SyncNow):
-                return [Wait()]  # a redo behind an abandoned round: it lands soon
+        averages = self._averages  # a background round is settled before another starts
+        if averages.landed:
+            self._step = averages.blend()
+            return [self._step]
+        if averages.running and self._inbox and isinstance(self._inbox[0], SyncNow):
+            return [Wait()]  # a redo behind an abandoned round: it lands soon
         step = self._step = self._next_queued()
         if step is not None:
             return [step]
@@ -437,14 +356,6 @@ class RankMachine:
                     return SaveCheckpoint(message)
         return None
 
-    def _goodbye(self, why: str, first: Send | None = None) -> list[RankEffect]:
-        """Note(why) and Exiting, after ``first`` when given."""
-        bye: list[RankEffect] = [
-            Send(Note(rank=self.rank, detail=why)),
-            Send(Exiting(rank=self.rank)),
-        ]
-        return self._out(bye if first is None else [first, *bye])
-
     # --- batches -------------------------------------------------------------------------
 
     def reserve(self) -> BatchSlice | None:
@@ -452,13 +363,12 @@ class RankMachine:
         boundary, when nothing needs one first: no message queued, not throttled, not ending,
         no landed round, and the batch continues the current chunk (same epoch). None: no
         batch can be reserved now."""
-        background = self._background
         if (
             self.work is None
             or not self.life.takes_rounds
             or self._inbox
             or self.throttled
-            or (background is not None and background.landed)
+            or self._averages.landed
         ):
             return None
         return self.work.reserve()
@@ -475,31 +385,15 @@ class RankMachine:
 
     def batch_done(self, loss: float, data_ms: float, now: float) -> list[RankEffect]:
         """The current batch finished with ``loss``: ``Batch`` (OutOfTurn if none is out).
-        Coalescing: the report is held (module docstring); nothing is sent unless that makes
-        :data:`MAX_COALESCED`."""
+        Coalescing: the report is held (:mod:`~flodl.core.rank.reports`); nothing is sent
+        unless that makes :data:`MAX_COALESCED`."""
         if self.work is None:
             raise OutOfTurn("batch_done() before the job was announced")
         batch_ms = self.work.finish(loss, now)
         self.batches += 1
         self.step_count += 1
-        self.since_average += 1
-        if self.coalesce:
-            self._held_ms.append(batch_ms)
-            self._held_data_ms.append(max(float(data_ms), 0.0))
-            self._held_loss.append(float(loss))
-            self._held_step = self.step_count
-            if len(self._held_ms) < MAX_COALESCED:
-                return []
-            self._sent_since_beat = True
-            return [Send(self._take_held())]
-        report = Batch(
-            rank=self.rank,
-            batch_ms=batch_ms,
-            data_ms=max(float(data_ms), 0.0),
-            step_count=self.step_count,
-            batch_loss=float(loss),
-        )
-        return [Send(report)]
+        self._averages.trained()
+        return self._reports.batch(self.step_count, batch_ms, data_ms, loss)
 
     # --- averaging ---------------------------------------------------------------------------
 
@@ -533,7 +427,7 @@ class RankMachine:
         self.times.averaging_s += elapsed_s
         if figures is None:
             return []
-        self.since_average = 0
+        self._averages.averaged()
         return self._acknowledge(sync, figures)
 
     def background_started(self, sync: SyncNow) -> None:
@@ -541,41 +435,24 @@ class RankMachine:
         of the batches since the last average (ends the step; its start failing is
         ``average_finished(sync, None, ...)``)."""
         self._finish_step("background_started", Average, sync)
-        self._background = _Background(sync, self.since_average)
-        self.since_average = 0
+        self._averages.start_background(sync)
 
     def background_landed(self) -> list[Reaction]:
         """Async: the background round's collective ended (its result waits to be blended)."""
-        if self._background is None:
-            return []
-        self._background.landed = True
-        return [Wake()]
+        return [Wake()] if self._averages.land() else []
 
     def blend_finished(self, figures: RoundFigures | None, elapsed_s: float) -> list[RankEffect]:
         """Async: the landed round was blended in (figures) or did not land (None: its
         batches count as never averaged)."""
         self._finish_step("blend_finished", Blend)
-        round_ = self._background
-        assert round_ is not None
-        self._background = None
+        sync = self._averages.blended(averaged=figures is not None)
         self.times.averaging_s += elapsed_s
-        if figures is None:
-            self.since_average += round_.batches
-            return []
-        return self._acknowledge(round_.sync, figures)
+        return [] if figures is None else self._acknowledge(sync, figures)
 
     def _acknowledge(self, sync: SyncNow, figures: RoundFigures) -> list[RankEffect]:
         self.step_count += 1
         self.syncs += 1
-        ack = SyncAck(
-            rank=self.rank,
-            round=sync.round,
-            step_count=self.step_count,
-            divergence=_finite(figures.divergence),
-            post_norm=_finite(figures.post_norm),
-            pre_norm=_finite(figures.pre_norm),
-        )
-        return self._out([Send(ack)])
+        return self._reports.ack(sync, self.step_count, figures)
 
     # --- saving ------------------------------------------------------------------------------
 
@@ -588,14 +465,7 @@ class RankMachine:
     ) -> list[RankEffect]:
         """A Checkpoint's bundle was saved to ``path`` (or not: ``error``): CheckpointResult."""
         self._finish_step("checkpoint_finished", SaveCheckpoint)
-        result = CheckpointResult(
-            rank=self.rank,
-            version=request.version,
-            elapsed_ms=elapsed_ms,
-            error=error,
-            path=path,
-        )
-        return self._out([Send(result)])
+        return self._reports.send(self._reports.saved(request.version, elapsed_ms, error, path))
 
     def loss_save_finished(self, outcome: str) -> list[RankEffect]:
         """The bundle of :class:`SaveOnLoss` was written (``outcome`` says where, or why
@@ -613,15 +483,5 @@ class RankMachine:
         ShutdownRequested to the loop."""
         self._finish_step("save_finished", SaveAndStop)
         reason = self.life.saved(outcome)
-        result = CheckpointResult(
-            rank=self.rank,
-            version=STOP_SAVE_VERSION,
-            elapsed_ms=elapsed_ms,
-            error=error,
-            path=path,
-        )
-        return self._goodbye(f"saving and stopping: {reason.name}", first=Send(result))
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
+        result = self._reports.saved(STOP_SAVE_VERSION, elapsed_ms, error, path)
+        return self._reports.goodbye(f"saving and stopping: {reason.name}", result)
