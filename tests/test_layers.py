@@ -198,8 +198,6 @@ STILL_TO_SPLIT = [
     "class flodl/coordinator/server.py:Coordinator: 412 lines",
     "module flodl/core/coordinator/machine.py: 641 lines",
     "class flodl/core/coordinator/machine.py:CoordinatorMachine: 521 lines",
-    "module flodl/core/rank/machine.py: 627 lines",
-    "class flodl/core/rank/machine.py:RankMachine: 479 lines",
 ]
 
 
