@@ -26,6 +26,9 @@ only moves bytes and time into it and carries its effects out. One nursery owns 
 * the deadline task, which sleeps in a cancel scope until the machine's next deadline
   (silence deaths, the window-completion ceiling, the stall ceiling, rendezvous retries).
 
+An observer may time every call the shell makes to its machine with a probe
+(:mod:`flodl.coordinator.probe`); the probe sees, it cannot steer.
+
 A coordinator that owns its process (``freeze_heap=True``: ``flodl run`` and ``flodl
 coordinator`` pass it) moves every object alive when training starts into Python's permanent
 GC generation (:func:`gc.freeze`, after one full collection). What it holds per rank is built by
@@ -45,15 +48,18 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from functools import partial
 
 import attrs
 import trio
 
 from flodl.config import CoordinatorConfig
 from flodl.coordinator.admission import serve_ranks
+from flodl.coordinator.probe import MachineEvent, ShellProbe, report_failed
 from flodl.core.coordinator.effects import Broadcast, Send
 from flodl.core.coordinator.machine import (
     CoordinatorMachine,
@@ -144,8 +150,10 @@ class Coordinator:
         url: str,
         *,
         freeze_heap: bool = False,
+        probe: ShellProbe | None = None,
     ) -> None:
         self._machine = machine
+        self._probe = probe
         self._config = config
         self._freeze_heap = freeze_heap
         self.heap_frozen = False
@@ -232,8 +240,13 @@ class Coordinator:
         of it (the run going on without a rank that died before joining)."""
         timeline, now = self._machine.timeline, trio.current_time()
         before = len(timeline)
-        effects = self._machine.on_exit_reported(
-            exit.rank, exit.returncode, now, restarting=exit.restarting
+        effects = self._call(
+            "exit_reported",
+            exit.rank,
+            now,
+            lambda: self._machine.on_exit_reported(
+                exit.rank, exit.returncode, now, restarting=exit.restarting
+            ),
         )
         self._perform(effects)
         return [
@@ -244,7 +257,15 @@ class Coordinator:
 
     def request_stop(self, save: bool = True) -> None:
         """End the run: save first (ShutdownWithSave(GRACEFUL)) or just shut down."""
-        self._perform(self._machine.request_stop(trio.current_time(), save=save))
+        now = trio.current_time()
+        self._perform(
+            self._call("stop", None, now, lambda: self._machine.request_stop(now, save=save))
+        )
+
+    def set_probe(self, probe: ShellProbe | None) -> None:
+        """Report every machine call from now on to ``probe`` (None: to nobody); what it is
+        told and why it cannot change the run: :mod:`flodl.coordinator.probe`."""
+        self._probe = probe
 
     # --- tasks ----------------------------------------------------------------------------
 
@@ -264,7 +285,9 @@ class Coordinator:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._write_loop, link)
                     self._enqueue(link, self.run_settings)
-                    self._perform(self._machine.on_connect(rank, trio.current_time()))
+                    now = trio.current_time()
+                    connect = partial(self._machine.on_connect, rank, now)
+                    self._perform(self._call("connect", rank, now, connect))
                     reader = self._shared_reader(channel)
                     if reader is not None:
                         try:
@@ -286,7 +309,12 @@ class Coordinator:
             self._link_closed.set()
             self._link_closed = trio.Event()
             reason = f"{type(errors[0]).__name__}: {errors[0]}" if errors else "connection closed"
-            self._perform(self._machine.on_disconnect(rank, trio.current_time(), reason))
+            now = trio.current_time()
+            self._perform(
+                self._call(
+                    "disconnect", rank, now, lambda: self._machine.on_disconnect(rank, now, reason)
+                )
+            )
         if errors:
             raise errors[0]
 
@@ -353,7 +381,10 @@ class Coordinator:
                 raise ProtocolError(
                     f"rank {rank} sent {type(message).__name__} claiming to be rank {claimed}"
                 )
-            self._apply(machine.on_message(rank, message, now))
+            if self._probe is None:
+                self._apply(machine.on_message(rank, message, now))
+            else:
+                self._apply(self._probed_message(self._probe, rank, message, now))
 
     async def _write_loop(self, link: _RankLink) -> None:
         # Sends what the direct writes of _flush could not: the rest of a partly written
@@ -406,7 +437,10 @@ class Coordinator:
                 await trio.sleep_forever()
             self._deadline_scope = None
             now = trio.current_time()
-            self._perform(self._machine.on_tick(now))
+            if self._probe is None:
+                self._perform(self._machine.on_tick(now))
+            else:
+                self._perform(self._probed_tick(self._probe, now, scope.deadline))
             if self._machine.next_deadline() <= now and not self._finished.is_set():
                 # A deadline the machine did not act on would spin this loop forever.
                 raise CoordinatorError(
@@ -422,6 +456,53 @@ class Coordinator:
     def on_rank_error(self, rank: int | None, error: BaseException) -> None:
         log.warning("rank %s disconnected: %s: %s", rank, type(error).__name__, error)
         self.rank_errors.append((rank, error))
+
+    # --- probe ----------------------------------------------------------------------------
+
+    def _probed_message(
+        self, probe: ShellProbe, rank: int, message: Message, now: float
+    ) -> list[Effect]:
+        """The machine's effects for ``message``, the call timed and told to ``probe``."""
+        started = time.thread_time()
+        effects = self._machine.on_message(rank, message, now)
+        took = time.thread_time() - started
+        try:
+            probe.message_handled(rank, message, now, took)
+        except Exception as err:
+            self._probe_failed(probe, err)
+        return effects
+
+    def _probed_tick(self, probe: ShellProbe, now: float, deadline: float) -> list[Effect]:
+        """The machine's effects for a tick of the deadline task armed for ``deadline``."""
+        started = time.thread_time()
+        effects = self._machine.on_tick(now)
+        took = time.thread_time() - started
+        try:
+            probe.ticked(now, deadline, took)
+        except Exception as err:
+            self._probe_failed(probe, err)
+        return effects
+
+    def _call(
+        self, event: MachineEvent, rank: int | None, now: float, call: Callable[[], list[Effect]]
+    ) -> list[Effect]:
+        """``call()``'s effects; timed and told to the probe, if one is set."""
+        probe = self._probe
+        if probe is None:
+            return call()
+        started = time.thread_time()
+        effects = call()
+        took = time.thread_time() - started
+        try:
+            probe.event_handled(event, rank, now, took)
+        except Exception as err:
+            self._probe_failed(probe, err)
+        return effects
+
+    def _probe_failed(self, probe: ShellProbe, error: Exception) -> None:
+        report_failed(probe, error)
+        if self._probe is probe:
+            self._probe = None
 
     # --- effects --------------------------------------------------------------------------
 
@@ -561,6 +642,7 @@ async def open_coordinator(
     linger: float = 5.0,
     resume: ResumeState | None = None,
     freeze_heap: bool = False,
+    probe: ShellProbe | None = None,
 ) -> AsyncIterator[Coordinator]:
     """Listen on ``url`` and coordinate ``world_size`` ranks until the block exits.
 
@@ -568,7 +650,8 @@ async def open_coordinator(
     after the run ended, then cancels every task and closes the listener. Cancellation of the
     enclosing scope closes everything at once. ``freeze_heap``: the coordinator owns its
     process and freezes the heap once training starts (module docstring); it is unfrozen
-    on exit, however the block ends.
+    on exit, however the block ends. ``probe``: told of every call to the machine from the
+    first on (:mod:`flodl.coordinator.probe`; :meth:`Coordinator.set_probe` changes it).
     """
     config = config or CoordinatorConfig()
     check_session_key(key)
@@ -581,7 +664,7 @@ async def open_coordinator(
         seed=seed,
         resume=resume,
     )
-    coordinator = Coordinator(machine, config, listener.url, freeze_heap=freeze_heap)
+    coordinator = Coordinator(machine, config, listener.url, freeze_heap=freeze_heap, probe=probe)
     try:
         async with trio.open_nursery() as nursery:
             coordinator._tasks = nursery
