@@ -22,18 +22,22 @@ processes on a shared machine do not inflate them). They are read only while a p
 and are never handed to the machine: they decide nothing, which is why the shell may read a
 clock other than trio's here. Without a probe the shell's only cost is a None check per call.
 
-A probe cannot change what the coordinator does: it is handed values (messages are frozen),
-never the machine's effects, and what it returns is ignored. It is called synchronously
-inside the shell's step, so whatever time it takes delays every rank: it must not block (record
-and return). An exception from a callback is logged (``flodl.coordinator``) and the probe is
+The shell gives a probe no way to change what it does: it is handed values (messages are
+frozen), never the machine or its effects, and what it returns is ignored. It is called
+synchronously inside the shell's step, with no checkpoint around it (so no cancellation cuts
+it short), and whatever time it takes delays every rank: it must not block (record and
+return). An exception from a callback is logged (``flodl.coordinator``) and the probe is
 detached; the run goes on as if it had never been set.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Literal, Protocol
 
+from flodl.core.coordinator.machine import CoordinatorMachine, Effect
 from flodl.wire.messages import Message
 
 log = logging.getLogger("flodl.coordinator")
@@ -66,15 +70,77 @@ class ShellProbe(Protocol):
         return None
 
 
-def report_failed(probe: ShellProbe, error: Exception) -> None:
-    """Log that ``probe`` raised ``error`` (the shell then detaches it)."""
-    log.error(
-        "probe %r raised %s: %s; it is detached, the run goes on",
-        probe,
-        type(error).__name__,
-        error,
-        exc_info=error,
-    )
+class Probing:
+    """The shell's side of its probe: the probe set (:attr:`probe`; None: none), the timing of
+    the machine calls it is told of, and the detaching of a probe that raises.
+
+    The shell checks :attr:`probe` for None before calling on a hot path (a message, a tick),
+    so an unset probe costs it nothing more.
+    """
+
+    def __init__(self, probe: ShellProbe | None = None) -> None:
+        self.probe = probe
+
+    def message(
+        self, machine: CoordinatorMachine, rank: int, message: Message, now: float
+    ) -> list[Effect]:
+        """``machine.on_message(rank, message, now)``, timed and told to the probe."""
+        started = time.thread_time()
+        effects = machine.on_message(rank, message, now)
+        took = time.thread_time() - started
+        probe = self.probe
+        if probe is not None:
+            try:
+                probe.message_handled(rank, message, now, took)
+            except Exception as err:
+                self._failed(probe, err)
+        return effects
+
+    def tick(self, machine: CoordinatorMachine, now: float, deadline: float) -> list[Effect]:
+        """``machine.on_tick(now)`` for a deadline task armed for ``deadline``, timed and told
+        to the probe."""
+        started = time.thread_time()
+        effects = machine.on_tick(now)
+        took = time.thread_time() - started
+        probe = self.probe
+        if probe is not None:
+            try:
+                probe.ticked(now, deadline, took)
+            except Exception as err:
+                self._failed(probe, err)
+        return effects
+
+    def call(
+        self,
+        event: MachineEvent,
+        rank: int | None,
+        now: float,
+        call: Callable[[], list[Effect]],
+    ) -> list[Effect]:
+        """``call()`` (the machine's call for ``event``); timed and told to the probe if one
+        is set."""
+        probe = self.probe
+        if probe is None:
+            return call()
+        started = time.thread_time()
+        effects = call()
+        took = time.thread_time() - started
+        try:
+            probe.event_handled(event, rank, now, took)
+        except Exception as err:
+            self._failed(probe, err)
+        return effects
+
+    def _failed(self, probe: ShellProbe, error: Exception) -> None:
+        log.error(
+            "probe %r raised %s: %s; it is detached, the run goes on",
+            probe,
+            type(error).__name__,
+            error,
+            exc_info=error,
+        )
+        if self.probe is probe:
+            self.probe = None
 
 
-__all__ = ["MachineEvent", "ShellProbe", "report_failed"]
+__all__ = ["MachineEvent", "Probing", "ShellProbe"]

@@ -6,13 +6,9 @@ only moves bytes and time into it and carries its effects out. One nursery owns 
 * the admission server (handshake under a deadline, unique ranks;
   :mod:`flodl.coordinator.admission`);
 * per rank: a task that owns the connection (its cancel scope ends it) with a writer, so a
-  slow rank never blocks a broadcast to the others. What the machine sends is queued per
-  rank and, once the effects of an event are carried out, written straight to each stream
-  that takes it without waiting (one step for a whole broadcast rather than a task wake-up
-  per rank); the writer only sends what a stream could not take at once. Beyond
-  :data:`FLUSH_CHUNK` ranks the rest is written by the flush task, a chunk per scheduler
-  step, so that what ranks send meanwhile (a round start's acks) is read between chunks
-  rather than behind thousands of writes;
+  slow rank never blocks a broadcast to the others; what the machine sends is queued per rank
+  and written once the effects of an event are carried out, by the flush task beyond a chunk
+  of ranks (:mod:`flodl.coordinator.links`);
 * reading: ranks are read by one shared
   :class:`~flodl.transports.channel_reader.ChannelReader` per kind of stream, started with
   the first rank it serves (:func:`~flodl.transports.readers.reader_for` says which kind
@@ -37,7 +33,10 @@ all of it, which at 4,096 ranks stalled every task for hundreds of milliseconds.
 unfrozen when the coordinator closes.
 
 A rank that sends bad input is disconnected and handled as dead; it never takes the
-coordinator down. Usage::
+coordinator down. Cancelling the scope around :func:`open_coordinator` ends every task at
+once: each rank's task still tells the machine of its disconnect on the way out (carrying out
+effects never waits, so nothing there can be cut short), the readers and the listener are
+closed and a frozen heap is unfrozen. Usage::
 
     async with open_coordinator("tcp://127.0.0.1:0", world_size=3, key=key) as coord:
         print(coord.url)           # give this to the ranks
@@ -48,22 +47,18 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from functools import partial
 
-import attrs
 import trio
 
 from flodl.config import CoordinatorConfig
 from flodl.coordinator.admission import serve_ranks
-from flodl.coordinator.probe import MachineEvent, ShellProbe, report_failed
-from flodl.core.coordinator.effects import Broadcast, Send
+from flodl.coordinator.links import CONNECTION_ERRORS, Links, RankLink
+from flodl.coordinator.probe import Probing, ShellProbe
 from flodl.core.coordinator.machine import (
     CoordinatorMachine,
-    Disconnect,
     Effect,
     Outcome,
     ResumeState,
@@ -71,73 +66,23 @@ from flodl.core.coordinator.machine import (
 )
 from flodl.core.coordinator.record import RunRecord
 from flodl.core.coordinator.timeline import EventKind, Timeline, TimelineEvent
-from flodl.errors import (
-    ChannelClosed,
-    CoordinatorError,
-    HandshakeError,
-    ProtocolError,
-    TransportError,
-    WireError,
-)
+from flodl.errors import ChannelClosed, CoordinatorError, ProtocolError
 from flodl.supervise.exits import RankExit
 from flodl.transports import open_listener
 from flodl.transports.channel import Channel
 from flodl.transports.channel_reader import ChannelReader
-from flodl.transports.errors import STREAM_ERRORS
 from flodl.transports.readers import reader_for
-from flodl.wire.codec import EncodedMessage, encode_message
-from flodl.wire.fields import MAX_TEXT
+from flodl.wire.codec import encode_message
 from flodl.wire.handshake import check_session_key
-from flodl.wire.messages import Abort, CoordHeartbeat, Message, RunSettings
-
-_Outgoing = Message | EncodedMessage
-"""What a rank's queue holds: a message, or one whose payload a broadcast encoded once."""
+from flodl.wire.messages import CoordHeartbeat, Message, RunSettings
 
 log = logging.getLogger("flodl.coordinator")
 
 EventSink = Callable[[int, TimelineEvent], None]
 """Takes each timeline event with its sequence number (:meth:`Coordinator.add_event_sink`)."""
 
-# What ends one rank's connection. Anything else (a CoordinatorError from the machine, say)
-# is a bug of ours: it propagates and stops the coordinator rather than blaming the rank.
-# A Channel maps stream errors to TransportError itself; a stream error that reaches here
-# all the same still only ends the rank it came from.
-_CONNECTION_ERRORS: tuple[type[Exception], ...] = (
-    WireError,
-    HandshakeError,
-    TransportError,
-    *STREAM_ERRORS,
-)
-
-OUTBOX_LIMIT = 4096
-"""Messages queued for one rank before it is judged too slow to keep up and disconnected."""
-
-ABORT_GRACE = 1.0
-"""Seconds a rank being let go (Disconnect) has to take its Abort before its connection ends."""
-
 HEARTBEAT_SLOTS = 16
 """The heartbeat interval is cut into this many slots; each rank beats in one of them."""
-
-FLUSH_CHUNK = 256
-"""Links written in one scheduler step (a few ms of writes); a round start's writes to more
-ranks are spread over steps (:meth:`Coordinator.flush_loop`)."""
-
-
-@attrs.define(eq=False)
-class _RankLink:
-    rank: int
-    channel: Channel
-    scope: trio.CancelScope
-    errors: list[BaseException] = attrs.field(factory=list)
-    pending: list[_Outgoing] = attrs.field(factory=list)
-    """Messages for the rank not yet handed to its channel, in order."""
-    writer_busy: bool = False
-    """The writer task owns the channel's sending side (nothing is written around it)."""
-    wake: trio.Event = attrs.field(factory=trio.Event)
-    """Set when the writer has something to send."""
-    closed: bool = False
-    aborting: bool = False
-    """Being let go: its Abort is queued, nothing more is sent or read, it ends once sent."""
 
 
 class Coordinator:
@@ -153,22 +98,16 @@ class Coordinator:
         probe: ShellProbe | None = None,
     ) -> None:
         self._machine = machine
-        self._probe = probe
+        self._probing = Probing(probe)
         self._config = config
         self._freeze_heap = freeze_heap
         self.heap_frozen = False
         """The heap was frozen when training started (module docstring)."""
         self.url = url
         """The address ranks connect to (port 0 resolved)."""
-        self._links: dict[int, _RankLink] = {}
+        self._links = Links()
         self._finished = trio.Event()
         self._deadline_scope: trio.CancelScope | None = None
-        self._link_closed = trio.Event()
-        self._dirty: list[_RankLink] = []
-        """Links with pending messages, to be written once the current effects are done."""
-        self._backlog: deque[_RankLink] = deque()
-        """Links left for the flush task (:meth:`flush_loop`), in the order they were dirty."""
-        self._backlog_wake = trio.Event()
         self.rank_errors: list[tuple[int | None, BaseException]] = []
         """Every connection that ended in an error, in order (rank None: before the handshake)."""
         self._tasks: trio.Nursery | None = None
@@ -205,7 +144,7 @@ class Coordinator:
 
     @property
     def connected_ranks(self) -> frozenset[int]:
-        return frozenset(self._links)
+        return frozenset(self._links.by_rank)
 
     async def wait_finished(self) -> Outcome:
         """Wait until the run has ended (finished, stopped, or saved) and return how."""
@@ -240,7 +179,7 @@ class Coordinator:
         of it (the run going on without a rank that died before joining)."""
         timeline, now = self._machine.timeline, trio.current_time()
         before = len(timeline)
-        effects = self._call(
+        effects = self._probing.call(
             "exit_reported",
             exit.rank,
             now,
@@ -258,14 +197,13 @@ class Coordinator:
     def request_stop(self, save: bool = True) -> None:
         """End the run: save first (ShutdownWithSave(GRACEFUL)) or just shut down."""
         now = trio.current_time()
-        self._perform(
-            self._call("stop", None, now, lambda: self._machine.request_stop(now, save=save))
-        )
+        stop = partial(self._machine.request_stop, now, save=save)
+        self._perform(self._probing.call("stop", None, now, stop))
 
     def set_probe(self, probe: ShellProbe | None) -> None:
         """Report every machine call from now on to ``probe`` (None: to nobody); what it is
         told and why it cannot change the run: :mod:`flodl.coordinator.probe`."""
-        self._probe = probe
+        self._probing.probe = probe
 
     # --- tasks ----------------------------------------------------------------------------
 
@@ -277,17 +215,16 @@ class Coordinator:
         the admission server to report. On return the channel is no longer read.
         """
         scope = trio.CancelScope()
-        link = _RankLink(rank, channel, scope)
-        self._links[rank] = link
+        link = self._links.open(rank, channel, scope)
         errors = link.errors
         try:
             with scope:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._write_loop, link)
-                    self._enqueue(link, self.run_settings)
+                    nursery.start_soon(self._links.write_loop, link)
+                    self._links.enqueue(link, self.run_settings)
                     now = trio.current_time()
                     connect = partial(self._machine.on_connect, rank, now)
-                    self._perform(self._call("connect", rank, now, connect))
+                    self._perform(self._probing.call("connect", rank, now, connect))
                     reader = self._shared_reader(channel)
                     if reader is not None:
                         try:
@@ -298,20 +235,15 @@ class Coordinator:
                     else:
                         try:
                             await self._read_loop(rank, channel)
-                        except _CONNECTION_ERRORS as err:
+                        except CONNECTION_ERRORS as err:
                             errors.append(err)
                         nursery.cancel_scope.cancel()
         finally:
-            if self._links.get(rank) is link:
-                del self._links[rank]
-            link.closed = True
-            link.pending.clear()
-            self._link_closed.set()
-            self._link_closed = trio.Event()
+            self._links.close(link)
             reason = f"{type(errors[0]).__name__}: {errors[0]}" if errors else "connection closed"
             now = trio.current_time()
             self._perform(
-                self._call(
+                self._probing.call(
                     "disconnect", rank, now, lambda: self._machine.on_disconnect(rank, now, reason)
                 )
             )
@@ -331,7 +263,7 @@ class Coordinator:
         return reader
 
     def _reader_handlers(
-        self, link: _RankLink, reader: ChannelReader
+        self, link: RankLink, reader: ChannelReader
     ) -> tuple[Callable[[list[Message], float], None], Callable[[Exception | None], None]]:
         """What the shared reader calls for ``link``'s messages and for the end of its channel
         (both end the connection as :meth:`_read_loop` would)."""
@@ -371,8 +303,8 @@ class Coordinator:
     def _handle_batch(self, rank: int, batch: list[Message], now: float) -> None:
         """Feed ``rank``'s messages to the machine in order, all at ``now``; ProtocolError
         (the rest not handled) if one claims another rank."""
-        machine = self._machine
-        link = self._links.get(rank)
+        machine, probing = self._machine, self._probing
+        link = self._links.by_rank.get(rank)
         for message in batch:
             if link is not None and link.aborting:
                 return  # being let go: what it says no longer counts
@@ -381,32 +313,10 @@ class Coordinator:
                 raise ProtocolError(
                     f"rank {rank} sent {type(message).__name__} claiming to be rank {claimed}"
                 )
-            if self._probe is None:
-                self._apply(machine.on_message(rank, message, now))
+            if probing.probe is None:
+                self._links.apply(machine.on_message(rank, message, now))
             else:
-                self._apply(self._probed_message(self._probe, rank, message, now))
-
-    async def _write_loop(self, link: _RankLink) -> None:
-        # Sends what the direct writes of _flush could not: the rest of a partly written
-        # write, and whatever queued meanwhile, in one write per wake-up.
-        channel = link.channel
-        try:
-            while True:
-                await link.wake.wait()
-                link.wake = trio.Event()
-                link.writer_busy = True
-                try:
-                    await channel.flush()
-                    while link.pending:
-                        batch, link.pending = link.pending, []
-                        await channel.send_many(batch)
-                    if link.aborting:
-                        link.scope.cancel()  # its Abort is sent
-                finally:
-                    link.writer_busy = False
-        except _CONNECTION_ERRORS as err:
-            link.errors.append(err)
-            link.scope.cancel()
+                self._links.apply(probing.message(machine, rank, message, now))
 
     async def heartbeat_loop(self) -> None:
         """Beat every ``heartbeat_interval`` until the run ends; nothing else can delay it.
@@ -419,13 +329,14 @@ class Coordinator:
         world_size = self._machine.world_size
         beat = encode_message(CoordHeartbeat())
         started = trio.current_time()
+        links = self._links
         slot = 0
         while not self._finished.is_set():
             for rank in range(slot % HEARTBEAT_SLOTS, world_size, HEARTBEAT_SLOTS):
-                link = self._links.get(rank)
+                link = links.by_rank.get(rank)
                 if link is not None:
-                    self._enqueue(link, beat)
-            self._flush()
+                    links.enqueue(link, beat)
+            links.flush()
             slot += 1
             await trio.sleep_until(started + slot * interval / HEARTBEAT_SLOTS)
 
@@ -437,10 +348,10 @@ class Coordinator:
                 await trio.sleep_forever()
             self._deadline_scope = None
             now = trio.current_time()
-            if self._probe is None:
+            if self._probing.probe is None:
                 self._perform(self._machine.on_tick(now))
             else:
-                self._perform(self._probed_tick(self._probe, now, scope.deadline))
+                self._perform(self._probing.tick(self._machine, now, scope.deadline))
             if self._machine.next_deadline() <= now and not self._finished.is_set():
                 # A deadline the machine did not act on would spin this loop forever.
                 raise CoordinatorError(
@@ -450,102 +361,22 @@ class Coordinator:
 
     async def wait_all_hung_up(self) -> None:
         """Wait until no rank connection is open."""
-        while self._links:
-            await self._link_closed.wait()
+        await self._links.wait_all_closed()
 
     def on_rank_error(self, rank: int | None, error: BaseException) -> None:
         log.warning("rank %s disconnected: %s: %s", rank, type(error).__name__, error)
         self.rank_errors.append((rank, error))
 
-    # --- probe ----------------------------------------------------------------------------
-
-    def _probed_message(
-        self, probe: ShellProbe, rank: int, message: Message, now: float
-    ) -> list[Effect]:
-        """The machine's effects for ``message``, the call timed and told to ``probe``."""
-        started = time.thread_time()
-        effects = self._machine.on_message(rank, message, now)
-        took = time.thread_time() - started
-        try:
-            probe.message_handled(rank, message, now, took)
-        except Exception as err:
-            self._probe_failed(probe, err)
-        return effects
-
-    def _probed_tick(self, probe: ShellProbe, now: float, deadline: float) -> list[Effect]:
-        """The machine's effects for a tick of the deadline task armed for ``deadline``."""
-        started = time.thread_time()
-        effects = self._machine.on_tick(now)
-        took = time.thread_time() - started
-        try:
-            probe.ticked(now, deadline, took)
-        except Exception as err:
-            self._probe_failed(probe, err)
-        return effects
-
-    def _call(
-        self, event: MachineEvent, rank: int | None, now: float, call: Callable[[], list[Effect]]
-    ) -> list[Effect]:
-        """``call()``'s effects; timed and told to the probe, if one is set."""
-        probe = self._probe
-        if probe is None:
-            return call()
-        started = time.thread_time()
-        effects = call()
-        took = time.thread_time() - started
-        try:
-            probe.event_handled(event, rank, now, took)
-        except Exception as err:
-            self._probe_failed(probe, err)
-        return effects
-
-    def _probe_failed(self, probe: ShellProbe, error: Exception) -> None:
-        report_failed(probe, error)
-        if self._probe is probe:
-            self._probe = None
-
     # --- effects --------------------------------------------------------------------------
 
     def _perform(self, effects: Iterable[Effect]) -> None:
-        self._apply(effects)
+        self._links.apply(effects)
         self._after_effects()
-
-    def _apply(self, effects: Iterable[Effect]) -> None:
-        """Carry out ``effects`` in order; a broadcast's payload is encoded once for all."""
-        for effect in effects:
-            if isinstance(effect, Send):
-                link = self._links.get(effect.rank)
-                if link is not None:
-                    self._enqueue(link, effect.message)
-            elif isinstance(effect, Broadcast):
-                targets = self._links.keys() if effect.ranks is None else effect.ranks
-                encoded: EncodedMessage | None = None
-                for rank in list(targets):
-                    link = self._links.get(rank)
-                    if link is not None:
-                        if encoded is None:
-                            encoded = encode_message(effect.message)
-                        self._enqueue(link, encoded)
-            elif isinstance(effect, Disconnect):
-                link = self._links.get(effect.rank)
-                if link is not None:
-                    self._let_go(link, effect.reason)
-
-    def _let_go(self, link: _RankLink, reason: str) -> None:
-        """Tell ``link``'s rank why it is let go (``Abort``, best effort), then end its
-        connection: once the Abort is written, or after :data:`ABORT_GRACE` seconds."""
-        if link.closed or link.aborting or link.scope.cancel_called:
-            return
-        self._enqueue(link, Abort(reason=reason[:MAX_TEXT]))
-        link.aborting = True
-        # Written by _flush or the writer, which then end the link; this bounds the wait.
-        link.scope.deadline = min(link.scope.deadline, trio.current_time() + ABORT_GRACE)
 
     def _after_effects(self) -> None:
         """Write what the effects queued, notice the end of the run, and pull the deadline
         loop's wake-up earlier if needed."""
-        if self._dirty:
-            self._flush()
+        self._links.flush()
         timeline = self._machine.timeline
         if self._published != timeline.added:
             fresh = timeline.since(self._published)
@@ -565,68 +396,6 @@ class Coordinator:
             deadline = self._machine.next_deadline()
             if deadline < scope.deadline:
                 scope.deadline = deadline
-
-    def _enqueue(self, link: _RankLink, message: _Outgoing) -> None:
-        """Queue ``message`` for ``link``'s rank (written by :meth:`_flush` or the writer)."""
-        if link.closed or link.aborting or link.scope.cancel_called:
-            return  # (cancelled: ending, so nothing more is queued and the warning is said once)
-        pending = link.pending
-        if len(pending) >= OUTBOX_LIMIT:
-            log.warning(
-                "rank %d cannot keep up (%d messages queued): disconnecting",
-                link.rank,
-                OUTBOX_LIMIT,
-            )
-            link.scope.cancel()
-            return
-        if not pending and not link.writer_busy:
-            self._dirty.append(link)
-        pending.append(message)
-
-    def _flush(self) -> None:
-        """Write each queued link's messages now where its stream takes them without waiting
-        (the first :data:`FLUSH_CHUNK` links; the flush task writes the others), and hand the
-        rest to the link's writer task. Never waits."""
-        dirty, self._dirty = self._dirty, []
-        if self._backlog:
-            # The flush task is still writing: these go behind, so ranks are written in the
-            # order their messages were decided.
-            self._backlog.extend(dirty)
-            return
-        if len(dirty) > FLUSH_CHUNK:
-            self._backlog.extend(dirty[FLUSH_CHUNK:])
-            self._backlog_wake.set()
-            dirty = dirty[:FLUSH_CHUNK]
-        self._write_now(dirty)
-
-    async def flush_loop(self) -> None:
-        """Write the links :meth:`_flush` left, :data:`FLUSH_CHUNK` per scheduler step."""
-        while True:
-            await self._backlog_wake.wait()
-            self._backlog_wake = trio.Event()
-            while self._backlog:
-                await trio.lowlevel.checkpoint()  # what was read meanwhile goes first
-                backlog = self._backlog
-                chunk = [backlog.popleft() for _ in range(min(FLUSH_CHUNK, len(backlog)))]
-                self._write_now(chunk)
-
-    def _write_now(self, dirty: Iterable[_RankLink]) -> None:
-        for link in dirty:
-            if link.closed or link.writer_busy or not link.pending:
-                continue  # the writer sends what is pending once it is done
-            batch, link.pending = link.pending, []
-            try:
-                if link.channel.send_nowait(batch):
-                    if link.aborting:
-                        link.scope.cancel()  # its Abort is sent
-                    continue
-            except trio.WouldBlock:
-                link.pending[:0] = batch  # not sent: the writer sends it, in order
-            except _CONNECTION_ERRORS as err:
-                link.errors.append(err)
-                link.scope.cancel()
-                continue
-            link.wake.set()
 
 
 @asynccontextmanager
@@ -670,16 +439,18 @@ async def open_coordinator(
             coordinator._tasks = nursery
             nursery.start_soon(coordinator.deadline_loop)
             nursery.start_soon(coordinator.heartbeat_loop)
-            nursery.start_soon(coordinator.flush_loop)
-            await nursery.start(
-                _serve,
+            nursery.start_soon(coordinator._links.flush_loop)
+            serving = partial(
+                serve_ranks,
                 listener,
                 key,
                 world_size,
-                coordinator,
-                signature,
-                config.handshake_timeout,
+                coordinator.serve_rank,
+                signature=signature,
+                handshake_timeout=config.handshake_timeout,
+                on_rank_error=coordinator.on_rank_error,
             )
+            await nursery.start(serving)
             yield coordinator
             with trio.move_on_after(linger):
                 await coordinator.wait_finished()
@@ -693,28 +464,6 @@ async def open_coordinator(
             reader.close()
         with trio.CancelScope(shield=True):
             await listener.aclose()
-
-
-async def _serve(
-    listener: object,
-    key: bytes,
-    world_size: int,
-    coordinator: Coordinator,
-    signature: bytes | None,
-    handshake_timeout: float,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    await serve_ranks(
-        listener,  # type: ignore[arg-type]
-        key,
-        world_size,
-        coordinator.serve_rank,
-        signature=signature,
-        handshake_timeout=handshake_timeout,
-        on_rank_error=coordinator.on_rank_error,
-        task_status=task_status,
-    )
 
 
 __all__ = ["Coordinator", "open_coordinator"]

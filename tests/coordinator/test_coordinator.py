@@ -16,7 +16,8 @@ import trio
 from trio.testing import MockClock
 
 from flodl.config import CoordinatorConfig, MaxFailure
-from flodl.coordinator.server import FLUSH_CHUNK, OUTBOX_LIMIT, open_coordinator
+from flodl.coordinator.links import FLUSH_CHUNK, OUTBOX_LIMIT
+from flodl.coordinator.server import open_coordinator
 from flodl.core.coordinator.machine import Status
 from flodl.core.coordinator.timeline import EventKind
 from flodl.errors import BrokenChannel, ChannelClosed, ProtocolError
