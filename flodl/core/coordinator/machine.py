@@ -2,22 +2,27 @@
 
 :class:`CoordinatorMachine` wires its parts into the behaviour of a floDl coordinator:
 :class:`~flodl.core.coordinator.membership.Membership` (the job, the members, the joiners),
-:class:`~flodl.core.coordinator.rendezvous.Rendezvous` (forming each generation of the group),
+:class:`~flodl.core.coordinator.joining.Joining` (who joins, and when the run starts without the
+ranks missing), :class:`~flodl.core.coordinator.formation.Formation` (the run's phase and each
+generation of the group, formed by the :class:`~flodl.core.coordinator.rendezvous.Rendezvous`),
 :class:`~flodl.core.coordinator.rounds.Rounds` (the averaging rounds, with ElChe's pacing and each
-window's work), :class:`~flodl.core.coordinator.liveness.Liveness` (dead ranks) and
+window's work), :class:`~flodl.core.coordinator.liveness.Liveness` (dead ranks),
+:class:`~flodl.core.coordinator.losses.Losses` (what a loss does to the group) and
 :class:`~flodl.core.coordinator.ending.Ending` (how the run ends). The machine decides the order of
-things: which part hears of an event, whether a round may start, what a loss or a new group does to
-each part. The trio shell (:mod:`flodl.coordinator`) feeds it events with the current
-time and performs the effects it returns; the machine never waits, sleeps or sends. That makes
-every rule testable with plain calls, and lets one process simulate thousands of ranks.
+things: which part hears of an event, and whether a round may start after what a part did (a
+part answers with its effects and whether one may be due,
+:class:`~flodl.core.coordinator.formation.Answer`). The trio shell (:mod:`flodl.coordinator`) feeds
+it events with the current time and performs the effects it returns; the machine never waits,
+sleeps or sends. That makes every rule testable with plain calls, and lets one process simulate
+thousands of ranks.
 
-Lifecycle (:class:`RunPhase`): JOINING (every rank connects and sends
-:class:`~flodl.wire.messages.Ready`; a rank whose process dies first is waited for when it is
-restarted, else the run starts without it while enough ranks remain) -> FORMING (generation 0
-of the group: RequestNewGroup / NewGroupReady / NewGroupSession) -> TRAINING (windows of ElChe
-counts; a round averages them) <-> REFORMING (after a death the survivors form the next
-generation, then redo the interrupted round) -> FINISHED (all epochs done, the final
-checkpoint saved and Shutdown sent, or a ShutdownWithSave because the run cannot go on).
+Lifecycle (:class:`~flodl.core.coordinator.formation.RunPhase`): JOINING (every rank connects
+and sends :class:`~flodl.wire.messages.Ready`; a rank whose process dies first is waited for
+when it is restarted, else the run starts without it while enough ranks remain) -> FORMING
+(generation 0 of the group: RequestNewGroup / NewGroupReady / NewGroupSession) -> TRAINING
+(windows of ElChe counts; a round averages them) <-> REFORMING (after a death the survivors
+form the next generation, then redo the interrupted round) -> FINISHED (all epochs done, the
+final checkpoint saved and Shutdown sent, or a ShutdownWithSave because the run cannot go on).
 
 Work protocol (what ranks must do, see also :mod:`flodl.core.coordinator.partitions`): a rank works
 through the sample ranges it is given (StartEpoch, ExtendPartition) in order, one ``Batch`` report
@@ -30,9 +35,7 @@ collective it bumps its step count, so its next report acknowledges the round.
 
 from __future__ import annotations
 
-import enum
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -40,18 +43,21 @@ import attrs
 from flodl.core.cadence.elche import ElChe
 from flodl.core.coordinator.effects import Broadcast, Send
 from flodl.core.coordinator.ending import Ending, Outcome, Status, record_save
-from flodl.core.coordinator.liveness import Liveness, LossCause, RankLost
+from flodl.core.coordinator.formation import Answer, Formation, RunPhase
+from flodl.core.coordinator.joining import Joining
+from flodl.core.coordinator.liveness import Liveness
+from flodl.core.coordinator.losses import Losses
 from flodl.core.coordinator.membership import Membership
 from flodl.core.coordinator.rendezvous import Rendezvous
 from flodl.core.coordinator.rounds import Due, ResumeState, Rounds
 from flodl.core.coordinator.settings import MachineSettings
-from flodl.core.coordinator.timeline import EventKind, Timeline
+from flodl.core.coordinator.stats import RankStats
+from flodl.core.coordinator.timeline import Timeline
 from flodl.wire.messages import (
     STOP_SAVE_VERSION,
     Batch,
     Batches,
     CheckpointResult,
-    DeclareDead,
     Exiting,
     Heartbeat,
     Intent,
@@ -63,7 +69,6 @@ from flodl.wire.messages import (
     Note,
     Ready,
     SaveReason,
-    ShutdownWithSave,
     SyncAck,
 )
 
@@ -72,7 +77,6 @@ __all__ = [
     "Disconnect",
     "Effect",
     "Outcome",
-    "RankStats",
     "ResumeState",
     "RunPhase",
     "Status",
@@ -88,30 +92,6 @@ class Disconnect:
 
 
 Effect = Send | Broadcast | Disconnect
-
-
-class RunPhase(enum.Enum):
-    """Where the run is (see the module docstring); ElChe's calibration phase is another thing,
-    :class:`flodl.core.cadence.phases.Phase`."""
-
-    JOINING = "joining"
-    FORMING = "forming"
-    TRAINING = "training"
-    REFORMING = "reforming"
-    FINISHED = "finished"
-
-
-@attrs.define
-class RankStats:
-    """Per-rank counters kept for summaries."""
-
-    batches: int = 0
-    syncs: int = 0
-    last_loss: float = math.nan
-    lr: float | None = None
-    joined_at: float | None = None
-    lost_at: float | None = None
-    loss_cause: str | None = None
 
 
 class CoordinatorMachine:
@@ -137,19 +117,7 @@ class CoordinatorMachine:
         self.settings = settings
         self.seed = seed
         self.timeline = Timeline()
-        self._lost_since: float | None = None
-        """When the first death the next re-formed group answers was detected."""
-        self._supervised = local_ranks == frozenset(range(world_size))
-        """Every rank's process is the launcher's (``flodl run``): it reports their exits."""
-        self._unjoined_exits: set[int] = set()
-        """Ranks whose process exited 0 before any rank connected: a script that may never
-        join flodl (a plain torchrun script), or ranks that are deaths once another joins."""
-        self._phase = RunPhase.JOINING
         self.stats = [RankStats() for _ in range(world_size)]
-        self._any_joined = False
-        """Some rank connected (a stats entry has ``joined_at``): kept as a flag because
-        next_deadline() asks after every report, and a scan of 4,096 entries there made
-        the joining phase quadratic."""
         timeouts = settings.timeouts
         self.created_at = now
         """When the machine was created (its deadlines count from here)."""
@@ -164,12 +132,35 @@ class CoordinatorMachine:
         self.cycle = self.rounds.cycle
         self.pacing = self.rounds.pacing
         self.ending = Ending(settings, self.timeline, self.cycle, self.liveness)
+        self.formation = Formation(
+            self.rendezvous, self.membership, self.liveness, self.rounds, self.ending, self.timeline
+        )
+        self.joining = Joining(
+            world_size,
+            settings,
+            self.membership,
+            self.liveness,
+            self.ending,
+            self.timeline,
+            self.stats,
+            supervised=local_ranks == frozenset(range(world_size)),
+        )
+        self.losses = Losses(
+            settings,
+            self.formation,
+            self.membership,
+            self.liveness,
+            self.rounds,
+            self.ending,
+            self.timeline,
+            self.stats,
+        )
 
     # --- queries --------------------------------------------------------------------------
 
     @property
     def phase(self) -> RunPhase:
-        return RunPhase.FINISHED if self.ending.over else self._phase
+        return RunPhase.FINISHED if self.ending.over else self.formation.phase
 
     @property
     def finished(self) -> bool:
@@ -214,12 +205,7 @@ class CoordinatorMachine:
 
     def lost_ranks(self) -> frozenset[int]:
         """Ranks declared dead that did not join again since."""
-        return frozenset(
-            rank
-            for rank, stats in enumerate(self.stats)
-            if stats.lost_at is not None
-            and (stats.joined_at is None or stats.joined_at <= stats.lost_at)
-        )
+        return self.losses.lost_ranks()
 
     def counts(self) -> dict[int, int]:
         """ElChe's batch count per member (global rank -> batches per window)."""
@@ -233,13 +219,12 @@ class CoordinatorMachine:
         if self.finished:
             return math.inf
         best = math.inf
-        join_deadline = self.membership.join_deadline
         for deadline in (
             self.liveness.next_deadline(),
             self.rounds.next_deadline(),
             self.rendezvous.next_deadline(),
             self.ending.held_until,
-            join_deadline if join_deadline is None or self._awaits_joins() else None,
+            self.joining.deadline,
         ):
             if deadline is not None and deadline < best:
                 best = deadline
@@ -264,13 +249,11 @@ class CoordinatorMachine:
         if self.finished:
             return [Send(rank, self.ending.farewell())]
         self.liveness.admit(rank, now)
-        self.stats[rank].joined_at = now
-        self._any_joined = True
-        self.timeline.add(now, EventKind.RANK_JOINED, rank=rank)
+        self.joining.connected(rank, now)
         effects: list[Effect] = []
-        while self._unjoined_exits and not self.finished:  # this is a flodl run after all
-            gone = self._unjoined_exits.pop()
-            effects += self._died_joining(gone, "exited with code 0", now, False)
+        # This is a flodl run after all: the exits held back are deaths before joining.
+        while not self.finished and (gone := self.joining.held_back_exit()) is not None:
+            effects += self._died_joining(gone, "exited with code 0", now, restarting=False)
         return effects
 
     def on_disconnect(self, rank: int, now: float, reason: str = "") -> list[Effect]:
@@ -286,8 +269,11 @@ class CoordinatorMachine:
             return []
         if self.phase is RunPhase.JOINING:
             if returncode == 0 and not restarting and self.stats[rank].joined_at is None:
-                return self._exited_unjoined(rank, now)
-            return self._died_joining(rank, f"exited with code {returncode}", now, restarting)
+                held = self.joining.exited_unjoined(rank, now)
+                if held is not None:
+                    return list(held)
+            how = f"exited with code {returncode}"
+            return self._died_joining(rank, how, now, restarting=restarting)
         return self._lose(rank, now, f"process exited with code {returncode}")
 
     def request_stop(self, now: float, save: bool = True) -> list[Effect]:
@@ -296,7 +282,7 @@ class CoordinatorMachine:
             return []
         if save:
             return list(self.ending.save_when_settled(SaveReason.GRACEFUL, now, "stop requested"))
-        return self._shutdown(now, "stop requested")
+        return list(self.ending.shutdown(now, "stop requested"))
 
     # --- events: messages -------------------------------------------------------------------
 
@@ -320,7 +306,7 @@ class CoordinatorMachine:
         if isinstance(message, Ready):
             return self._on_ready(rank, message, now)
         if isinstance(message, NewGroupReady):
-            return self._regroup(self.rendezvous.on_ready(now, message, self._eligible()), now)
+            return self._carry_out(self.formation.on_ready(now, message), now)
         if isinstance(message, Exiting):
             self.liveness.on_exiting(rank, now)
             return []
@@ -346,12 +332,14 @@ class CoordinatorMachine:
         if self.finished:
             return []
         effects: list[Effect] = []
-        join_deadline = self.membership.join_deadline
-        if join_deadline is not None and now >= join_deadline and self._awaits_joins():
-            return self._join_timed_out(now)
+        join_deadline = self.joining.deadline
+        if join_deadline is not None and now >= join_deadline:
+            ended = self.joining.timed_out(now)
+            return self._form_if_joined(now) if ended is None else list(ended)
         losses = self.liveness.check(now)
         if losses:
-            effects += self._handle_losses(losses, now, "silent past the heartbeat timeout")
+            why = "silent past the heartbeat timeout"
+            effects += self._carry_out(self.losses.lose(losses, now, why), now)
             if self.finished:
                 return effects
         if self.cycle.check_stall(now):
@@ -360,10 +348,10 @@ class CoordinatorMachine:
         held_until = self.ending.held_until
         if held_until is not None and now >= held_until:
             return effects + self.ending.release_save(now, settled=False)
-        effects += self._regroup(self.rendezvous.poll(now, self._eligible()), now)
+        effects += self._carry_out(self.formation.poll(now), now)
         wait_until = self.rounds.wait_until
         if wait_until is not None and now >= wait_until:
-            effects += self.rounds.start(now, self._generation(), delivered=False)
+            effects += self.rounds.start(now, self.formation.generation, delivered=False)
         final_until = self.rounds.saves.final_until
         if final_until is not None and now >= final_until:
             effects += self._maybe_trigger(now)
@@ -372,118 +360,37 @@ class CoordinatorMachine:
     # --- joining and forming ----------------------------------------------------------------
 
     def _on_ready(self, rank: int, ready: Ready, now: float) -> list[Effect]:
-        if self.phase is not RunPhase.JOINING:
-            # A rank (re)connected to a running job: it joins the group at the next round.
-            refused = self.membership.rejoin(rank, ready)
-            if refused is not None:
-                return [Disconnect(rank, refused)]
-            self.timeline.add(now, EventKind.RANK_JOINED, rank=rank, rejoin=True)
-            return self._maybe_trigger(now)
-        refused = self.membership.join(rank, ready)
+        running = self.phase is not RunPhase.JOINING
+        refused = self.joining.ready(rank, ready, now, running=running)
         if refused is not None:
             return [Disconnect(rank, refused)]
-        return self._form_if_joined(now)
+        # A rank (re)connected to a running job joins the group at the next round.
+        return self._maybe_trigger(now) if running else self._form_if_joined(now)
 
     def _form_if_joined(self, now: float) -> list[Effect]:
         """Every rank the run waits for has joined: form generation 0 with them."""
-        if not self.membership.all_joined(self.liveness.alive_view):
+        ranks = self.joining.world_joined()
+        if ranks is None:
             return []
-        self._phase = RunPhase.FORMING
-        ranks = sorted(self.membership.expected())
-        return self._regroup(self.rendezvous.form_initial(now, ranks), now)
+        return self._carry_out(self.formation.form_initial(now, ranks), now)
 
-    def _awaits_joins(self) -> bool:
-        """Whether the join timeout applies: not to a launcher's ranks none of which connected
-        yet (a plain torchrun script runs as long as it needs; their exits end the run)."""
-        return not self._supervised or self._any_joined
-
-    def _exited_unjoined(self, rank: int, now: float) -> list[Effect]:
-        """``rank`` exited 0 without connecting. Before any rank connected, that may be a script
-        that never joins flodl: when every rank does so, the run is complete (flodl run as a
-        plain launcher). Once one connected, it is a death before joining."""
-        if any(stats.joined_at is not None for stats in self.stats):
-            return self._died_joining(rank, "exited with code 0", now, False)
-        self._unjoined_exits.add(rank)
-        if len(self._unjoined_exits) < self.world_size:
-            return []
-        why = "every rank exited 0 without joining flodl (the script never calls flodl.worker.join)"
-        return list(self.ending.shutdown(now, why))
-
-    def _join_timed_out(self, now: float) -> list[Effect]:
-        """The join timeout passed with ranks missing: start without them, or fail."""
-        missing = self.membership.missing()
-        timeout = self.settings.timeouts.join
-        why = f"ranks {missing} did not join within the join timeout ({timeout:g} s)"
-        fails = self.membership.give_up_on(missing, self.settings)
-        if fails is not None:
-            return list(self.ending.fail(now, why + fails))
-        remaining = sorted(self.membership.expected())
-        self.timeline.add(now, EventKind.GOING_ON_WITHOUT, ranks=remaining, why=why, rank=None)
-        return self._form_if_joined(now)
-
-    def _died_joining(self, rank: int, how: str, now: float, restarting: bool) -> list[Effect]:
-        """``rank``'s process died before the world joined (:meth:`Membership.died_joining`)."""
+    def _died_joining(self, rank: int, how: str, now: float, *, restarting: bool) -> list[Effect]:
+        """``rank``'s process died before the world joined (:meth:`Joining.died`)."""
         why = f"rank {rank} {how} before joining"
         if self.liveness.is_alive(rank):
             self._lose(rank, now, why)  # the connection's end is not read yet
-        if rank not in self.membership.left:  # else recorded when it hung up
-            self.stats[rank].lost_at = now
-            self.timeline.add(now, EventKind.RANK_DEAD, rank=rank, cause="exited", why=why)
-        fails = self.membership.died_joining(rank, restarting, self.settings)
-        if fails is not None:
-            return list(self.ending.fail(now, why + fails))
-        if restarting:
-            return []
-        remaining = sorted(self.membership.expected())
-        self.timeline.add(now, EventKind.GOING_ON_WITHOUT, rank=rank, why=why, ranks=remaining)
-        return self._form_if_joined(now)
+        ended = self.joining.died(rank, why, now, restarting=restarting)
+        return self._form_if_joined(now) if ended is None else list(ended)
 
-    def _eligible(self) -> frozenset[int]:
-        forming = self.phase is RunPhase.FORMING
-        return self.membership.eligible(self.alive, forming=forming)
-
-    def _regroup(self, effects: Sequence[Any], now: float) -> list[Effect]:
-        """Pass on rendezvous effects; notice a finished formation or an exhausted one."""
-        out: list[Effect] = []
-        for effect in effects:
-            if isinstance(effect, Broadcast) and isinstance(effect.message, ShutdownWithSave):
-                reason = effect.message.reason
-                return out + self.ending.save(reason, now, "no group could be formed")
-            out.append(effect)
-        if not self.finished and self.membership.newly_formed(self.rendezvous):
-            out += self._group_formed(now)
-        return out
-
-    def _group_formed(self, now: float) -> list[Effect]:
-        members = self.rendezvous.members
-        generation = self.rendezvous.generation
-        assert generation is not None
-        if self.phase is RunPhase.FORMING:
-            self.membership.adopt(members, welcome=False)
-            self._phase = RunPhase.TRAINING
-            job = self.membership.job
-            assert job is not None
-            return list(self.rounds.begin(job, now, generation))
-        self.rounds.carry_over(members)
-        self.membership.adopt(members, welcome=True)
-        self._phase = RunPhase.TRAINING
-        took = None if self._lost_since is None else now - self._lost_since
-        self._lost_since = None
-        self.timeline.add(
-            now,
-            EventKind.GROUP_REFORMED,
-            generation=generation,
-            members=list(members),
-            took_s=took,
-        )
-        if self.cycle.settled:
-            return self._maybe_trigger(now)
-        return list(self.rounds.redo(now, generation))
+    def _carry_out(self, answer: Answer, now: float) -> list[Effect]:
+        """A part's answer: its effects, then, when it says a round may be due, what
+        :meth:`_maybe_trigger` decides."""
+        effects: list[Effect] = list(answer.effects)
+        if answer.may_be_due:
+            effects += self._maybe_trigger(now)
+        return effects
 
     # --- training ---------------------------------------------------------------------------
-
-    def _generation(self) -> int:
-        return self.rendezvous.generation or 0
 
     def _on_batch(self, rank: int, batch: Batch, now: float) -> list[Effect]:
         stats = self.stats[rank]
@@ -496,7 +403,7 @@ class CoordinatorMachine:
         if seen.may_be_due:
             round_before = self.cycle.round
             effects += self._maybe_trigger(now)
-            if seen.out_of_work and self.cycle.round == round_before and self._rounds_run():
+            if seen.out_of_work and self.cycle.round == round_before and self.formation.running:
                 effects += self.rounds.fill(rank, now)
         return effects
 
@@ -535,7 +442,7 @@ class CoordinatorMachine:
         waited_enough = self.rounds.on_completion(rank, metrics, now)
         effects: list[Effect] = list(self.rounds.close_epochs(now))
         if waited_enough:
-            effects += self.rounds.start(now, self._generation(), delivered=True)
+            effects += self.rounds.start(now, self.formation.generation, delivered=True)
         else:
             effects += self._maybe_trigger(now)
         return effects
@@ -549,12 +456,8 @@ class CoordinatorMachine:
         effects += self._maybe_trigger(now)
         return effects
 
-    def _rounds_run(self) -> bool:
-        """Rounds may start and work be handed out: training, and no group is forming."""
-        return self.phase is RunPhase.TRAINING and not self.rendezvous.pending
-
     def _maybe_trigger(self, now: float) -> list[Effect]:
-        if not self._rounds_run():
+        if not self.formation.running:
             return []
         due = self.rounds.due()
         if due is Due.ALL_DONE:
@@ -563,79 +466,28 @@ class CoordinatorMachine:
             saving = self.rounds.final_saves(now)
             if saving is not None:
                 return effects + saving
-            return effects + self._shutdown(now, "all epochs done")
+            return effects + self.ending.shutdown(now, "all epochs done")
         if due is not Due.NOW:
             return []
         joiners = self.membership.joiners & self.alive
         if joiners:
             # Grow the group first; the round then runs with the joiners in it (their mass is
             # zero, so they receive the survivors' average and contribute nothing to it).
-            return self._reform(tuple(sorted(set(self.members) | joiners)), now)
-        return list(self.rounds.start_or_wait(now, self._generation()))
+            members = tuple(sorted(set(self.members) | joiners))
+            return self._carry_out(self.formation.reform(now, members), now)
+        return list(self.rounds.start_or_wait(now, self.formation.generation))
 
     def _round_settled(self, now: float) -> list[Effect]:
         effects: list[Effect] = list(self.rounds.settled(now))
         if self.ending.held_save is not None:
             return effects + self.ending.release_save(now, settled=True)
         if self.ending.pending:
-            return effects + self._shutdown(now, "stop requested")
+            return effects + self.ending.shutdown(now, "stop requested")
         return effects + self.rounds.close_epochs(now)
 
     # --- losses -----------------------------------------------------------------------------
 
-    def _handle_losses(self, losses: Sequence[RankLost], now: float, why: str) -> list[Effect]:
-        effects: list[Effect] = []
-        if self.finished:
-            return effects  # ranks hanging up after the end are not deaths
-        for loss in losses:
-            stats = self.stats[loss.rank]
-            stats.lost_at = now
-            stats.loss_cause = loss.cause.value
-            self.membership.forget(loss.rank)
-            self.timeline.add(
-                now, EventKind.RANK_DEAD, rank=loss.rank, cause=loss.cause.value, why=why
-            )
-        if self.phase is not RunPhase.JOINING and self._lost_since is None:
-            self._lost_since = now
-        if self.phase is RunPhase.JOINING:
-            self.membership.left.update(loss.rank for loss in losses)
-            return effects
-        self.membership.drop_joiners(loss.rank for loss in losses)
-        lost = [loss.rank for loss in losses if loss.rank in self.membership.member_set]
-        survivors = tuple(r for r in self.members if self.liveness.is_alive(r))
-        if self.phase is RunPhase.FORMING:
-            if unrecoverable := self.ending.unrecoverable():
-                return list(self.ending.save(unrecoverable, now, why))
-            return self._regroup(self.rendezvous.poll(now, self.alive), now)
-        for rank in lost:
-            effects.append(Broadcast(DeclareDead(rank=rank), survivors))
-            effects += self.rounds.drop(rank, survivors, now)
-        if unrecoverable := self.ending.unrecoverable():
-            return effects + self.ending.save(unrecoverable, now, why)
-        if not lost:
-            return effects
-        if not self.settings.collective or (all_exited(losses) and self.rounds.all_work_done()):
-            # Without a collective group there is nothing to re-form: the survivors go on.
-            return effects + self._maybe_trigger(now)
-        self.rounds.abandon()
-        if self.rendezvous.pending:
-            self._phase = RunPhase.REFORMING
-            return effects + self._regroup(self.rendezvous.poll(now, self._eligible()), now)
-        return effects + self._reform(survivors, now)
-
     def _lose(self, rank: int, now: float, why: str) -> list[Effect]:
+        """``rank``'s connection is gone: it is lost now (nothing if it was not alive)."""
         loss = self.liveness.on_disconnect(rank, now)
-        return [] if loss is None else self._handle_losses([loss], now, why)
-
-    def _reform(self, members: tuple[int, ...], now: float) -> list[Effect]:
-        """Form the next generation of the group with ``members``."""
-        self._phase = RunPhase.REFORMING
-        ms_per_batch = self.pacing.ms_per_batch()
-        return self._regroup(self.rendezvous.begin(now, members, ms_per_batch=ms_per_batch), now)
-
-    def _shutdown(self, now: float, why: str) -> list[Effect]:
-        return list(self.ending.shutdown(now, why))
-
-
-def all_exited(losses: Sequence[RankLost]) -> bool:
-    return all(loss.cause is LossCause.EXITED for loss in losses)
+        return [] if loss is None else self._carry_out(self.losses.lose([loss], now, why), now)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from flodl.core.coordinator.ending import Outcome
-    from flodl.core.coordinator.machine import RankStats
+    from flodl.core.coordinator.stats import RankStats
     from flodl.core.coordinator.timeline import Timeline
     from flodl.wire.messages import CheckpointResult
 
