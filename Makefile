@@ -49,7 +49,7 @@ wire-demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/wire_bench.py
-	$(BIN)/python bench/coordinator_scale.py
+	$(BIN)/python -m bench.scale
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

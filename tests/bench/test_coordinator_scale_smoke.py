@@ -1,15 +1,16 @@
-"""Smoke run of bench/coordinator_scale.py (both modes, 8 ranks, 2 s) and checks of its parts:
-send stamps, clocks, the simulated rank around its RankMachine, rank partitions, and that
-load-generator processes are always reaped."""
+"""Smoke run of the coordinator scale bench, ``python -m bench.scale`` (both modes, 8 ranks,
+2 s), and checks of its parts: send stamps, clocks, the simulated rank around its RankMachine,
+rank partitions, and that load-generator processes are always reaped."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -34,21 +35,20 @@ from flodl.wire.messages import (
     SyncNow,
 )
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "coordinator_scale.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_bench() -> ModuleType:
-    if str(BENCH.parent) not in sys.path:
-        sys.path.insert(0, str(BENCH.parent))  # its sibling modules (benchenv)
-    spec = importlib.util.spec_from_file_location("coordinator_scale", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_bench(part: str) -> ModuleType:
+    """The bench's module ``bench.scale.<part>``, as ``python -m bench.scale`` from the
+    repository root imports it. By name at run time: mypy checks bench/scale/ as the package
+    ``scale`` (bench/ is no package), and a static import would show it the files twice."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module(f"bench.scale.{part}")
 
 
 def test_nearest_rank_quantiles() -> None:
-    bench = load_bench()
+    bench = load_bench("record")
     samples = [0.004, 0.001, 0.003, 0.002]  # sorted: 1, 2, 3, 4 ms
     assert bench.quantile(sorted(samples), 0.50) == 0.002  # ceil(0.5 * 4) = 2nd
     assert bench.quantile(sorted(samples), 0.99) == 0.004  # ceil(0.99 * 4) = 4th
@@ -61,14 +61,14 @@ def test_nearest_rank_quantiles() -> None:
 
 
 def test_ticks_stay_on_the_rank_grid() -> None:
-    bench = load_bench()
+    bench = load_bench("ranks")
     assert bench._next_grid_tick(1.0, 0.03, 0.1) == pytest.approx(1.03)
     assert bench._next_grid_tick(1.03, 0.03, 0.1) == pytest.approx(1.13)  # strictly after
     assert bench._next_grid_tick(0.0, 0.05, 0.1) == pytest.approx(0.05)
 
 
 def test_send_stamps_round_trip_through_the_fields_the_machine_ignores() -> None:
-    bench = load_bench()
+    bench = load_bench("stamps")
     key = b"stamp-test-key-0123456789abcdef!"
     at = 123456.789012
     sent = [
@@ -101,9 +101,9 @@ def test_send_stamps_round_trip_through_the_fields_the_machine_ignores() -> None
 
 
 async def test_a_simulated_rank_is_its_machine_on_the_grid() -> None:
-    bench = load_bench()
+    bench = load_bench("ranks")
     ticks: list[float] = []
-    loop = bench.RankLoop(0, 1, 0.05, bench.Recorder(1), ticks.append)
+    loop = bench.RankLoop(0, 1, 0.05, load_bench("record").Recorder(1), ticks.append)
     now = trio.current_time()
 
     def kinds(messages: list[Message]) -> list[str]:
@@ -148,7 +148,7 @@ async def test_a_simulated_rank_is_its_machine_on_the_grid() -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="CLOCK_MONOTONIC is system-wide on Linux")
 def test_perf_counter_is_the_monotonic_clock_and_trio_offsets_it() -> None:
-    bench = load_bench()
+    bench = load_bench("stamps")
     assert bench.clock_check() == {
         "perf_counter": "clock_gettime(CLOCK_MONOTONIC)",
         "monotonic": "clock_gettime(CLOCK_MONOTONIC)",
@@ -156,21 +156,21 @@ def test_perf_counter_is_the_monotonic_clock_and_trio_offsets_it() -> None:
 
     async def offset_error() -> float:
         offset: float = bench.trio_clock_offset()
-        now: float = bench.time.perf_counter()
+        now = time.perf_counter()
         return abs((trio.current_time() - offset) - now)
 
     assert trio.run(offset_error) < 1e-3
 
 
 def test_ranks_split_into_contiguous_near_equal_parts() -> None:
-    bench = load_bench()
+    bench = load_bench("generator")
     assert bench.partition_ranks(10, 1) == [range(0, 10)]
     assert bench.partition_ranks(10, 3) == [range(0, 3), range(3, 6), range(6, 10)]
     assert bench.partition_ranks(2, 3) == [range(0, 1), range(1, 2)]  # no empty generator
 
 
 async def test_a_generator_that_cannot_connect_fails_the_run_and_is_reaped() -> None:
-    bench = load_bench()
+    bench = load_bench("generator")
     with tempfile.TemporaryDirectory() as folder:
         nobody = f"unix://{folder}/nobody.sock"
         processes: list[trio.Process] = []
@@ -184,7 +184,7 @@ async def test_a_generator_that_cannot_connect_fails_the_run_and_is_reaped() -> 
 
 
 async def test_a_stuck_generator_is_killed_when_the_run_is_cancelled() -> None:
-    bench = load_bench()
+    bench = load_bench("generator")
     with tempfile.TemporaryDirectory() as folder:
         path = f"{folder}/silent.sock"
         silent = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
@@ -202,9 +202,9 @@ async def test_a_stuck_generator_is_killed_when_the_run_is_cancelled() -> None:
 
 def test_both_modes_with_eight_ranks_for_two_seconds(tmp_path: Path) -> None:
     output = tmp_path / "coordinator.json"
-    command = [sys.executable, str(BENCH), "--ranks", "8", "--seconds", "2", "--output"]
+    command = [sys.executable, "-m", "bench.scale", "--ranks", "8", "--seconds", "2", "--output"]
     done = subprocess.run(
-        [*command, str(output)], capture_output=True, text=True, timeout=60, check=False
+        [*command, str(output)], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(output.read_text())

@@ -1,0 +1,115 @@
+"""``python -m bench.scale``: the command line of the coordinator scale benchmark (the
+bench itself: :mod:`bench.scale`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+import trio.lowlevel
+
+from .generator import GENERATOR_FLAG, cpu_plan, generator_main
+from .modes import measure, profile, run_inprocess, run_split
+from .record import CpuSplit
+from .report import RESULTS, mode_section, previous_modes, print_table, report
+
+DEFAULT_COUNTS = (64, 128, 256, 512, 1024, 1536, 2048, 4096)
+QUICK_COUNTS = (16, 64)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [GENERATOR_FLAG]:
+        return generator_main(argv[1:])
+    parser = argparse.ArgumentParser(description="flodl coordinator scale benchmark")
+    parser.add_argument(
+        "--mode",
+        choices=("both", "split", "inprocess"),
+        default="both",
+        help="split: coordinator alone in this process, ranks in generator processes; "
+        "inprocess: both in one trio run over memory:// (default: both, split first)",
+    )
+    parser.add_argument("--ranks", type=int, nargs="+", help="rank counts to sweep")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per count")
+    parser.add_argument("--quick", action="store_true", help=f"counts {QUICK_COUNTS}, 2 s each")
+    parser.add_argument("--seed", type=int, default=0, help="phases of the simulated ranks")
+    parser.add_argument("--transport", choices=("unix", "tcp"), default="unix", help="split mode")
+    parser.add_argument(
+        "--generators", type=int, default=1, help="split mode: load-generator processes"
+    )
+    parser.add_argument(
+        "--no-pin", action="store_true", help="split mode: leave core placement to the OS"
+    )
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--profile",
+        type=int,
+        metavar="RANKS",
+        help="cProfile one count instead (split mode unless --mode inprocess)",
+    )
+    parser.add_argument("--top", type=int, default=30, help="functions to print with --profile")
+    args = parser.parse_args(argv)
+    seconds = 2.0 if args.quick and args.seconds == 10.0 else args.seconds
+    plan = cpu_plan(pin=not args.no_pin)
+    if args.profile:
+        if args.mode == "inprocess":
+            profile(
+                lambda: trio.run(measure, args.profile, seconds, args.seed, CpuSplit()), args.top
+            )
+        else:
+            split_args = (args.seed, args.transport, args.generators, plan)
+            profile(lambda: run_split(args.profile, seconds, *split_args), args.top)
+        return 0
+    counts = args.ranks or (QUICK_COUNTS if args.quick else DEFAULT_COUNTS)
+    modes = previous_modes(args.output)
+    if args.mode in ("both", "split"):
+        rows: list[dict[str, Any]] = []
+        for ranks in counts:
+            rows.append(run_split(ranks, seconds, args.seed, args.transport, args.generators, plan))
+            print_table("split", rows[-1:], header=len(rows) == 1)
+        modes["split"] = mode_section(
+            "split",
+            rows,
+            seconds,
+            args.seed,
+            transport=f"{args.transport}://" + (" (127.0.0.1)" if args.transport == "tcp" else ""),
+            generators=args.generators,
+            pinning=plan.describe(),
+        )
+    if args.mode in ("both", "inprocess"):
+        rows = []
+        for ranks in counts:
+            rows.append(run_inprocess(ranks, seconds, args.seed))
+            print_table("inprocess", rows[-1:], header=len(rows) == 1)
+        modes["inprocess"] = mode_section(
+            "inprocess",
+            rows,
+            seconds,
+            args.seed,
+            transport="memory://",
+            pinning="not pinned (one thread: at most one core)",
+            cpu="time.process_time over the measured window (coordinator and ranks together); "
+            "cpu_split_share from a trio instrument timing task steps (time.thread_time)",
+        )
+    result = report(dict(sorted(modes.items(), key=lambda item: item[0] != "split")))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"split: max_ranks_meeting_target={result['max_ranks_meeting_target']}, "
+        f"cpu_us_per_message={result['cpu_us_per_message']} "
+        f"(at {result['cpu_us_per_message_at_ranks']} ranks); in-process: "
+        f"{result['inprocess_max_ranks_meeting_target']} ranks, "
+        f"{result['inprocess_cpu_us_per_message']} us/msg; "
+        f"load average {os.getloadavg()[0]:.2f}; wrote {args.output}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
