@@ -27,7 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [GENERATOR_FLAG]:
         return generator_main(argv[1:])
-    parser = argparse.ArgumentParser(description="flodl coordinator scale benchmark")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.scale", description="flodl coordinator scale benchmark"
+    )
     parser.add_argument(
         "--mode",
         choices=("both", "split", "inprocess"),
