@@ -58,9 +58,7 @@ def test_epoch_order_is_a_permutation_that_changes_per_epoch() -> None:
 
 
 def test_epoch_order_is_the_same_in_another_process() -> None:
-    code = (
-        "from flodl.core.common.order import epoch_order; print(epoch_order(42, 0, 20))"
-    )
+    code = "from flodl.core.common.order import epoch_order; print(epoch_order(42, 0, 20))"
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
