@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from flodl.averaging.outer import OuterKind, OuterSettings
 from flodl.core.cadence.guards import GuardKind
 from flodl.core.common.policy import Policy
 from flodl.core.coordinator.cycle import default_reduce_stall_ceiling
@@ -98,6 +99,23 @@ def optional(check: Check) -> Check:
             check(flag, value)
 
     return check_unless_none
+
+
+def check_fraction(flag: str, value: float) -> float:
+    """``value`` if it is a number in [0, 1); ConfigError naming ``flag``."""
+    if not (isinstance(value, int | float) and 0.0 <= value < 1.0):
+        raise ConfigError(f"{flag} must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+OUTER_KINDS = tuple(kind.value for kind in OuterKind)
+
+
+def check_outer_kind(flag: str, value: str) -> str:
+    """``value`` if it names an outer optimizer; ConfigError naming ``flag``."""
+    if value not in OUTER_KINDS:
+        raise ConfigError(f"{flag} must be one of {', '.join(OUTER_KINDS)}, got {value!r}")
+    return value
 
 
 def check_script(script: str | Path) -> Path:
@@ -269,6 +287,32 @@ class CoordinatorConfig:
         ),
     )
     """The lowest live rank saves a bundle once this many more epochs are done (None: never)."""
+    outer: str = setting(
+        "none",
+        check_outer_kind,
+        flag=Flag(
+            "--outer",
+            str,
+            metavar="{" + ",".join(OUTER_KINDS) + "}",
+            help="the outer optimizer each round's average goes through: none (plain "
+            "averaging, the default) or nesterov (DiLoCo)",
+        ),
+    )
+    """The outer optimizer (:mod:`flodl.averaging.outer`): ``none`` continues from each
+    round's average; ``nesterov`` applies Nesterov SGD to the round's pseudo-gradient (the
+    last round's weights minus this average). Costs two copies of the parameters per rank."""
+    outer_lr: float = setting(
+        0.7,
+        check_positive,
+        flag=Flag("--outer-lr", metavar="LR", help="the outer optimizer's learning rate (0.7)"),
+    )
+    outer_momentum: float = setting(
+        0.9,
+        check_fraction,
+        flag=Flag(
+            "--outer-momentum", metavar="MU", help="the outer optimizer's momentum, in [0, 1) (0.9)"
+        ),
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.max_anchor < self.anchor:
@@ -280,6 +324,11 @@ class CoordinatorConfig:
                 f"heartbeat_interval ({self.heartbeat_interval} s) must be below "
                 f"heartbeat_timeout ({self.heartbeat_timeout} s)"
             )
+
+    @property
+    def outer_settings(self) -> OuterSettings:
+        """The outer optimizer the ranks run (sent to them in RunSettings)."""
+        return OuterSettings(self.outer, self.outer_lr, self.outer_momentum)
 
     @property
     def stall_ceiling(self) -> float:

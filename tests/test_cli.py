@@ -43,6 +43,11 @@ def script(tmp_path: Path) -> Path:
         (["--nproc", "many"], "--nproc must be a number, auto, gpu or cpu, got 'many'"),
         (["--nproc", "gpu"], "--nproc gpu: torch sees no usable GPU on this host"),
         (["--show-ranks", "0,x"], "--show-ranks must list ranks like 0,2 or 0-3, got '0,x'"),
+        (["--outer-lr", "-0.5"], "--outer-lr must be a number > 0, got -0.5"),
+        (["--outer-lr", "nan"], "--outer-lr must be a number > 0, got nan"),
+        (["--outer-momentum", "1"], "--outer-momentum must be a number in [0, 1), got 1.0"),
+        (["--outer-momentum", "-0.1"], "--outer-momentum must be a number in [0, 1), got -0.1"),
+        (["--outer", "adam"], "--outer must be one of none, nesterov, got 'adam'"),
     ],
 )
 def test_run_refuses_a_bad_flag_by_its_name(

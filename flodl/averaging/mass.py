@@ -335,6 +335,16 @@ def copy_buffers(
             b.copy_(averaged[span[0] : span[1]].view(b.shape))
 
 
+def landed_params(
+    averaged: torch.Tensor, layout: FlatLayout, params: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Views of each parameter's average in ``averaged``, shaped as the parameters."""
+    return [
+        averaged[start:end].view(p.shape)
+        for p, (start, end) in zip(params, layout.param_ranges(), strict=True)
+    ]
+
+
 def local_norms(params: Sequence[torch.Tensor]) -> Applied:
     """Norms for a round that keeps local state (zero mass): pre == post, no divergence."""
     norm = combine_norms([norm32(p) for p in params])

@@ -6,7 +6,7 @@ coordinator and ``import flodl`` stay light.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
@@ -53,8 +53,10 @@ class PendingAverage(Protocol):
         params: Sequence[torch.Tensor],
         buffers: Sequence[torch.Tensor],
         alpha: float = DEFAULT_ALPHA,
+        outer: Callable[[Sequence[torch.Tensor]], None] | None = None,
     ) -> AverageResult:
-        """Blend the landed average into the live tensors (EASGD; buffers overwritten).
+        """Blend the landed average into the live tensors (EASGD; buffers overwritten); with
+        ``outer``, the average's parameters go through ``outer`` (in place) first.
 
         Raises :class:`~flodl.errors.CollectiveAborted` if the round failed or was abandoned
         (live tensors untouched), :class:`~flodl.errors.BackendError` if it has not landed.
@@ -105,6 +107,11 @@ class Backend(Protocol):
         gamma: float = 1.0,
     ) -> AverageResult:
         """Average with every member now, overwriting the live tensors on success."""
+        ...
+
+    async def share_newest(self, tensors: Sequence[torch.Tensor], version: int) -> int:
+        """Make ``tensors`` equal on every member to those of the member holding the highest
+        ``version``; return that version (every member calls it at the same point)."""
         ...
 
     async def start_background_average(

@@ -17,7 +17,7 @@ rounds until a new one is joined.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from flodl.averaging.mass import (
     FlatLayout,
     Reduced,
     apply_average,
+    landed_params,
     local_norms,
     mass_of,
     pack,
@@ -47,6 +48,7 @@ from flodl.backends.pipeline import (
     reduce_in_buckets,
     views_storage_of,
 )
+from flodl.backends.sharing import share_newest
 from flodl.errors import BackendError, CollectiveAborted
 
 DEFAULT_VERIFY_EVERY = 10
@@ -278,6 +280,25 @@ class TorchDistBackend:
         assert landed.applied is not None
         return _result(landed.applied, landed.reduced, landed.skipped)
 
+    async def share_newest(self, tensors: Sequence[torch.Tensor], version: int) -> int:
+        """Make ``tensors`` equal on every member to those of the member holding the highest
+        ``version`` (:func:`~flodl.backends.sharing.share_newest`); return that version.
+
+        Every member calls it at the same point (the first round of a generation), with
+        tensors of the same shapes. Cancelled: the group is broken and ``trio.Cancelled``
+        propagates; failed: :class:`CollectiveAborted`. Either way ``tensors`` may be partly
+        written.
+        """
+        async with self._lock:
+            gen = self._groups.live()
+
+            def work(comm: Comm, ticket: Ticket) -> int:
+                return share_newest(
+                    comm, tensors, version, gen.rank, gen.world_size, lambda: ticket.abandoned
+                )
+
+            return await self._groups.run(gen, work)
+
     def _keep_installed(self, scratch: Scratch | None, params: Sequence[torch.Tensor]) -> None:
         """``scratch`` now holds live parameters (None: it does not); the buffer that held
         them before goes back to the pool once no parameter lies in it any more."""
@@ -394,12 +415,16 @@ class BackgroundAverage:
         params: Sequence[torch.Tensor],
         buffers: Sequence[torch.Tensor],
         alpha: float = DEFAULT_ALPHA,
+        outer: Callable[[Sequence[torch.Tensor]], None] | None = None,
     ) -> AverageResult:
         """EASGD: ``p <- (1 - alpha) * p + alpha * avg``; float buffers overwritten.
 
-        Runs on the calling thread (one pass over the tensors). A zero-mass round leaves the
-        tensors as they are. Raises :class:`CollectiveAborted` (or the round's
-        :class:`BackendError`) if it failed, :class:`BackendError` if not landed or used twice.
+        With ``outer``, the average's parameters (shaped as ``params``) go through
+        ``outer(avg)`` first, which may rewrite them in place (the outer optimizer's step), and
+        ``avg`` is what it leaves. Runs on the calling thread (one pass over the tensors). A
+        zero-mass round leaves the tensors as they are (``outer`` is not called). Raises
+        :class:`CollectiveAborted` (or the round's :class:`BackendError`) if it failed,
+        :class:`BackendError` if not landed or used twice.
         """
         if not self.landed:
             raise BackendError("background average has not landed yet")
@@ -417,6 +442,8 @@ class BackgroundAverage:
         if skipped:
             applied = local_norms(params)
         else:
+            if outer is not None:
+                outer(landed_params(scratch.flat, self._layout, params))
             applied = apply_average(scratch.flat, self._layout, params, buffers, alpha)
         self._pool.give_back(scratch)
         return _result(applied, reduced, skipped)

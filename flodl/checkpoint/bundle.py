@@ -5,6 +5,7 @@ A bundle with stem ``S`` in directory ``D`` is::
     D/S.model.safetensors     model tensors (safetensors; key order kept in its metadata)
     D/S.optim.safetensors     optimizer tensors     } only when an optimizer state was given
     D/S.optim.json            optimizer structure   }
+    D/S.outer.safetensors     outer optimizer state   only when one was given
     D/S.config.json           run config (JSON)       only when a config was given
     D/S.meta.json             CheckpointMeta + manifest (name, size, sha256 of each file above)
     D/latest.json             {"stem": "S"}: the bundle saved last
@@ -35,6 +36,7 @@ from flodl.checkpoint.names import (
     MODEL_SUFFIX,
     OPTIM_STRUCTURE_SUFFIX,
     OPTIM_TENSORS_SUFFIX,
+    OUTER_SUFFIX,
     check_stem,
 )
 from flodl.checkpoint.tree import join_tree, split_tree, storable
@@ -50,6 +52,7 @@ _ROLES = {
     "model": MODEL_SUFFIX,
     "optim_tensors": OPTIM_TENSORS_SUFFIX,
     "optim_structure": OPTIM_STRUCTURE_SUFFIX,
+    "outer": OUTER_SUFFIX,
     "config": CONFIG_SUFFIX,
 }
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
@@ -65,6 +68,8 @@ class Bundle:
     optimizer_state: dict[str, Any] | None
     config: dict[str, Any] | None
     deaths: tuple[DeathRecord, ...]
+    outer_state: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    """The outer optimizer's named tensors (:mod:`flodl.averaging.outer`); empty: none saved."""
 
 
 def default_stem(meta: CheckpointMeta) -> str:
@@ -96,6 +101,7 @@ def save_bundle(
     optimizer_state: Mapping[str, Any] | None,
     meta: CheckpointMeta,
     config: Mapping[str, Any] | None = None,
+    outer_state: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write a bundle and point ``latest.json`` at it; returns ``<directory>/<stem>``.
 
@@ -128,6 +134,8 @@ def save_bundle(
         payload["optim_structure"] = _json_bytes(
             {"format": TREE_FORMAT, "structure": structure}, "optimizer state"
         )
+    if outer_state:
+        payload["outer"] = _safetensors_bytes(outer_state, {"format": "flodl-outer"})
     if config is not None:
         payload["config"] = _json_bytes(dict(config), "config")
     manifest: dict[str, dict[str, Any]] = {
@@ -367,6 +375,11 @@ def load_bundle(path: str | Path) -> Bundle:
             raise CheckpointError(f"{structure_file} does not hold a state dict")
         optimizer_state = tree
 
+    outer_state: dict[str, torch.Tensor] = {}
+    if "outer" in manifest:
+        outer_file = stem_path.parent / manifest["outer"]["file"]
+        outer_state, _ = _load_tensors(_read_verified(stem_path, manifest["outer"]), outer_file)
+
     config = None
     if "config" in manifest:
         config_file = stem_path.parent / manifest["config"]["file"]
@@ -381,4 +394,5 @@ def load_bundle(path: str | Path) -> Bundle:
         optimizer_state=optimizer_state,
         config=config,
         deaths=read_death_records(stem_path.parent, stem_path.name),
+        outer_state=outer_state,
     )

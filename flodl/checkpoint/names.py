@@ -13,12 +13,15 @@ __all__ = [
     "MODEL_SUFFIX",
     "OPTIM_STRUCTURE_SUFFIX",
     "OPTIM_TENSORS_SUFFIX",
+    "OUTER_SUFFIX",
     "check_stem",
 ]
 
 MODEL_SUFFIX = ".model.safetensors"
 OPTIM_TENSORS_SUFFIX = ".optim.safetensors"
 OPTIM_STRUCTURE_SUFFIX = ".optim.json"
+OUTER_SUFFIX = ".outer.safetensors"
+"""The outer optimizer's state (global weights, momentum, version), when the run has one."""
 CONFIG_SUFFIX = ".config.json"
 META_SUFFIX = ".meta.json"
 """Written last: its presence (with every file it lists) marks a complete bundle."""

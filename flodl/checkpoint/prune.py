@@ -21,12 +21,19 @@ from flodl.checkpoint.names import (
     MODEL_SUFFIX,
     OPTIM_STRUCTURE_SUFFIX,
     OPTIM_TENSORS_SUFFIX,
+    OUTER_SUFFIX,
 )
 
 __all__ = ["FLODL_STEM", "prune_bundles"]
 
 FLODL_STEM = re.compile(r"flodl-step\d{9}(-v\d{6})?")
-_DATA_SUFFIXES = (MODEL_SUFFIX, OPTIM_TENSORS_SUFFIX, OPTIM_STRUCTURE_SUFFIX, CONFIG_SUFFIX)
+_DATA_SUFFIXES = (
+    MODEL_SUFFIX,
+    OPTIM_TENSORS_SUFFIX,
+    OPTIM_STRUCTURE_SUFFIX,
+    OUTER_SUFFIX,
+    CONFIG_SUFFIX,
+)
 _DEATH = re.compile(r"\.rank\d+\.death\.json")
 
 

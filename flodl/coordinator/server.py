@@ -120,6 +120,9 @@ class Coordinator:
             heartbeat_timeout=config.heartbeat_timeout,
             backend=config.backend,
             keep_checkpoints=config.keep_checkpoints or 0,
+            outer=config.outer,
+            outer_lr=config.outer_lr,
+            outer_momentum=config.outer_momentum,
         )
         """Sent to each rank first: the settings a worker takes from its coordinator."""
         self._sinks: list[EventSink] = []

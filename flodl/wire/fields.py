@@ -106,9 +106,11 @@ def i64() -> Any:
     return attrs.field(converter=_checked(_i64))
 
 
-def f64() -> Any:
+def f64(default: float | None = None) -> Any:
     """Any float, NaN and infinities included (a loss may be NaN); ints are widened."""
-    return attrs.field(converter=_checked(_float))
+    if default is None:
+        return attrs.field(converter=_checked(_float))
+    return attrs.field(default=default, converter=_checked(_float))
 
 
 def duration_ms() -> Any:
@@ -121,9 +123,11 @@ def opt_f64() -> Any:
     return attrs.field(default=None, converter=_checked(_opt_float))
 
 
-def text() -> Any:
+def text(default: str | None = None) -> Any:
     """A string of bounded length."""
-    return attrs.field(converter=_checked(_text))
+    if default is None:
+        return attrs.field(converter=_checked(_text))
+    return attrs.field(default=default, converter=_checked(_text))
 
 
 def opt_text() -> Any:

@@ -202,7 +202,8 @@ class Abort(Message):
 class RunSettings(Message):
     """The run's settings, the coordinator's first message to each rank it admits: a worker
     takes them where it was told nothing, and refuses to run where it was told otherwise.
-    ``backend`` None and ``keep_checkpoints`` 0: the rank's own choice."""
+    ``backend`` None and ``keep_checkpoints`` 0: the rank's own choice. ``outer*``: the
+    outer optimizer every rank applies to each round's average (never the rank's choice)."""
 
     TAG: ClassVar[int] = 16
     policy: str = text()
@@ -211,6 +212,9 @@ class RunSettings(Message):
     heartbeat_timeout: float = f64()
     backend: str | None = opt_text()
     keep_checkpoints: int = u64(default=0)
+    outer: str = text(default="none")
+    outer_lr: float = f64(default=0.7)
+    outer_momentum: float = f64(default=0.9)
 
 
 # --- rank -> coordinator (tags 64..127) -----------------------------------------------------

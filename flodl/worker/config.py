@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from flodl.averaging.outer import OuterSettings
 from flodl.backends import BACKEND_NAMES
 from flodl.core.common.policy import Policy
 from flodl.errors import ConfigError
@@ -46,6 +47,9 @@ class WorkerConfig:
     """None: ``max(30, 2 x heartbeat_timeout)`` (see :attr:`collective_timeout`)."""
     resume: Path | None = None
     debug_param_hashes: bool = False
+    outer: OuterSettings = attrs.field(factory=OuterSettings)
+    """The outer optimizer (:mod:`flodl.averaging.outer`); always the coordinator's, from its
+    RunSettings, when the config was read from an environment."""
     keep_checkpoints: int = 2
     """Bundles this rank keeps under ``<run_dir>/checkpoints/rank<N>/`` (older ones are pruned)."""
     given: frozenset[str] | None = None

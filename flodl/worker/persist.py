@@ -47,8 +47,10 @@ def save_rank_bundle(
     *,
     stem: str | None = None,
     keep: int | None = None,
+    outer_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Save model + optimizer state + meta; return the bundle's path (``<dir>/<stem>``).
+    """Save model + optimizer state (+ the outer optimizer's, when given) + meta; return the
+    bundle's path (``<dir>/<stem>``).
 
     With ``keep``, the bundles older than the ``keep`` newest are removed once this one is
     complete (:func:`flodl.checkpoint.prune.prune_bundles`; a removal that fails is logged).
@@ -82,6 +84,7 @@ def save_rank_bundle(
         optimizer_state=optimizer_state,
         meta=meta,
         config={"rank": rank, "world_size": point.world_size},
+        outer_state=outer_state,
     )
     if keep is not None:
         from flodl.checkpoint.prune import prune_bundles
@@ -100,16 +103,26 @@ def resume_source(path: Path, rank: int) -> Path:
     return candidate if candidate.is_dir() else path
 
 
+@attrs.frozen
+class Restored:
+    """What a resumed rank took from its bundle besides the model and optimizer."""
+
+    global_step: int
+    outer_state: dict[str, torch.Tensor]
+    """The outer optimizer's tensors (empty when the bundle holds none)."""
+
+
 def restore_rank_bundle(
     path: Path,
     rank: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
-) -> int:
+) -> Restored:
     """Load this rank's newest bundle under ``path`` into ``model`` (and ``optimizer``).
 
-    Returns the bundle's global step. Raises CheckpointError when there is no readable bundle
-    or its tensors do not fit the model.
+    Returns the bundle's global step and outer state, which the worker gives its outer
+    optimizer once the coordinator said which it runs. Raises CheckpointError when there is
+    no readable bundle or its tensors do not fit the model.
     """
     from flodl.checkpoint import load_bundle
 
@@ -120,4 +133,4 @@ def restore_rank_bundle(
             optimizer.load_state_dict(bundle.optimizer_state)
     except (RuntimeError, ValueError, KeyError) as err:
         raise CheckpointError(f"checkpoint {bundle.path} does not fit this model: {err}") from err
-    return bundle.meta.global_step
+    return Restored(bundle.meta.global_step, dict(bundle.outer_state))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from flodl.averaging.outer import OuterOptimizer, OuterSettings
 from flodl.backends import DEFAULT_ALPHA
 from flodl.core.rank.effects import Blend, RankEffect
 from flodl.core.rank.machine import RankMachine
@@ -45,12 +46,14 @@ class RoundRunner:
         changed: Callable[[], trio.Event],
         perform: Callable[[list[RankEffect]], None],
         *,
+        outer: OuterOptimizer | None = None,
         record_hashes: bool = False,
     ) -> None:
         """``changed()`` gives an event set at the next change worth re-checking (a group
         joined, the rank ending or lost); ``perform`` carries out reactions that arrive outside a
         boundary (a background round landed). With ``record_hashes``, a digest of the averaged
-        tensors is kept in :attr:`param_hashes` after every round."""
+        tensors is kept in :attr:`param_hashes` after every round. ``outer``: the outer
+        optimizer each landed average goes through (None: plain averaging)."""
         self._machine = machine
         self._backend = backend
         self._membership = membership
@@ -58,8 +61,12 @@ class RoundRunner:
         self._changed = changed
         self._perform = perform
         self._record_hashes = record_hashes
+        self.outer = outer if outer is not None else OuterOptimizer(OuterSettings())
+        self._outer_generation: int | None = None
+        """The group generation whose members last made the outer state equal."""
         self.param_hashes: list[dict[str, Any]] = []
-        """With ``record_hashes``: ``{round, generation, sha256}`` after each average."""
+        """With ``record_hashes``: ``{round, generation, sha256}`` after each average, and the
+        outer state's ``outer_sha256`` and ``outer_version`` when it is active."""
         self._collective: trio.CancelScope | None = None
         self._pending: PendingAverage | None = None
         self._pending_sync: SyncNow | None = None
@@ -108,10 +115,12 @@ class RoundRunner:
             return machine.average_finished(sync, None, 0.0)
         weight = machine.round_weight(sync, self._membership.group_rank)
         params, buffers = self._tensors()
+        started = trio.current_time()
+        if not await self._share_outer(sync, params):
+            return machine.average_finished(sync, None, trio.current_time() - started)
         if background:
             return await self._start_background(sync, params, buffers, weight, nursery)
         result: AverageResult | None = None
-        started = trio.current_time()
         with trio.CancelScope() as scope:
             self._collective = scope
             try:
@@ -123,8 +132,40 @@ class RoundRunner:
         if result is None and scope.cancelled_caught:
             log.info("rank %d: round %d abandoned", machine.rank, sync.round)
         if result is not None:
+            if not result.skipped and self.outer.active:
+                with trio.CancelScope(shield=True):  # every member steps once per round
+                    await trio.to_thread.run_sync(self.outer.step, params)
             self._record(sync)
         return machine.average_finished(sync, result, trio.current_time() - started)
+
+    async def _share_outer(self, sync: SyncNow, params: list[torch.Tensor]) -> bool:
+        """At the first round of each group generation, make the outer state equal on every
+        member (a joiner or a resumed rank takes the newest); False if that failed (the
+        round is then not run, and the coordinator re-forms the group as for a failed one)."""
+        outer = self.outer
+        if not outer.active or self._outer_generation == sync.generation:
+            return True
+        with trio.CancelScope() as scope:
+            self._collective = scope
+            try:
+                version = await self._backend.share_newest(
+                    outer.shared_tensors(params), outer.version
+                )
+            except BackendError as err:
+                log.warning(
+                    "rank %d: round %d could not share the outer state: %s",
+                    self._machine.rank,
+                    sync.round,
+                    err,
+                )
+                return False
+            finally:
+                self._collective = None
+        if scope.cancelled_caught:
+            return False
+        outer.adopt_shared(version)
+        self._outer_generation = sync.generation
+        return True
 
     async def _start_background(
         self,
@@ -162,7 +203,10 @@ class RoundRunner:
         started = trio.current_time()
         result: AverageResult | None = None
         try:
-            result = await trio.to_thread.run_sync(pending.blend_into, params, buffers, alpha)
+            outer_step = self.outer.step if self.outer.active else None
+            result = await trio.to_thread.run_sync(
+                pending.blend_into, params, buffers, alpha, outer_step
+            )
         except BackendError as err:
             log.info("rank %d: round %d did not land: %s", self._machine.rank, sync.round, err)
         if result is not None:
@@ -173,6 +217,8 @@ class RoundRunner:
         if self._record_hashes:
             params, buffers = self._tensors()
             digest = tensors_sha256([*params, *buffers])
-            self.param_hashes.append(
-                {"round": sync.round, "generation": sync.generation, "sha256": digest}
-            )
+            entry = {"round": sync.round, "generation": sync.generation, "sha256": digest}
+            if self.outer.active:
+                entry["outer_sha256"] = tensors_sha256(self.outer.tensors())
+                entry["outer_version"] = self.outer.version
+            self.param_hashes.append(entry)

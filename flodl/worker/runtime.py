@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from flodl.averaging.outer import OuterOptimizer
 from flodl.core.common.job import Job
 from flodl.core.common.work import BatchSlice, EpochOrders
 from flodl.core.rank.effects import (
@@ -52,6 +53,8 @@ from flodl.core.rank.effects import (
 )
 from flodl.core.rank.machine import RankMachine
 from flodl.errors import (
+    CheckpointError,
+    ConfigError,
     CoordinatorError,
     FlodlError,
     OutOfTurn,
@@ -107,8 +110,10 @@ class Worker:
         self._nursery: trio.Nursery | None = None
         self._orders: EpochOrders | None = None
         self._outbox = Outbox(self._lost)
+        self.outer = OuterOptimizer(config.outer)
+        """The outer optimizer every landed average goes through (the coordinator's choice)."""
         self._saver = BundleSaver(
-            self.machine, config.run_dir, model, optimizer, config.keep_checkpoints
+            self.machine, config.run_dir, model, optimizer, config.keep_checkpoints, self.outer
         )
         self._staged: StagedBatch[Assignment] = StagedBatch()
         """The batch after the current one, takeable by a training thread (see staging.py)."""
@@ -122,6 +127,7 @@ class Worker:
             model,
             self._wakeup.event,
             self._perform,
+            outer=self.outer,
             record_hashes=config.debug_param_hashes,
         )
 
@@ -152,7 +158,8 @@ class Worker:
 
     @property
     def param_hashes(self) -> list[dict[str, Any]]:
-        """With ``debug_param_hashes``: ``{round, generation, sha256}`` after each average."""
+        """With ``debug_param_hashes``: ``{round, generation, sha256}`` after each average (and
+        ``outer_sha256``, ``outer_version`` with an outer optimizer)."""
         return self._rounds.param_hashes
 
     @property
@@ -416,9 +423,9 @@ async def open_worker(
     closed (no live process group outlives it), the connection closed and ``rank<N>.json``
     written. An exception from the block propagates unchanged (not wrapped in a group).
     """
-    resumed_step = None
+    restored = None
     if config.resume is not None:  # before connecting: the coordinator would hear no beat
-        resumed_step = await trio.to_thread.run_sync(
+        restored = await trio.to_thread.run_sync(
             restore_rank_bundle, config.resume, config.rank, model, optimizer
         )
     channel = await open_channel(config)
@@ -434,14 +441,19 @@ async def open_worker(
                 op_timeout=config.collective_timeout,
             )
         worker = Worker(config, model, optimizer, backend)
+        if restored is not None and worker.outer.active:
+            try:
+                worker.outer.load_state_dict(restored.outer_state, list(model.parameters()))
+            except ConfigError as err:
+                raise CheckpointError(f"checkpoint {config.resume} does not fit: {err}") from None
     except BaseException:
         with trio.CancelScope(shield=True):
             await channel.aclose()
         raise
     body_error: Exception | None = None
     try:
-        if resumed_step is not None:
-            worker.machine.global_step = resumed_step
+        if restored is not None:
+            worker.machine.global_step = restored.global_step
         worker._channel = worker._outbox.channel = channel
         worker._membership.host = config.host or local_address(channel.stream)
         worker._started_at = trio.current_time()

@@ -18,6 +18,8 @@ from flodl.worker.records import record_death
 if TYPE_CHECKING:
     import torch
 
+    from flodl.averaging.outer import OuterOptimizer
+
 __all__ = ["BundleSaver"]
 
 
@@ -31,8 +33,10 @@ class BundleSaver:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None,
         keep: int | None = None,
+        outer: OuterOptimizer | None = None,
     ) -> None:
         self._machine = machine
+        self._outer = outer
         self._keep = keep
         self._run_dir = run_dir
         self._model = model
@@ -61,6 +65,7 @@ class BundleSaver:
                 point,
                 stem=stem,
                 keep=self._keep,
+                outer_state=None if self._outer is None else self._outer.state_dict(),
             )
         )
         self.latest = str(path)

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import trio
 
+from flodl.averaging.outer import OuterSettings
 from flodl.core.common.policy import Policy
 from flodl.errors import ConfigError, CoordinatorError
 from flodl.host import environment as names
@@ -45,6 +46,10 @@ def _theirs(settings: RunSettings) -> dict[str, Any]:
         "heartbeat_interval": settings.heartbeat_interval,
         "heartbeat_timeout": settings.heartbeat_timeout,
     }
+    try:
+        values["outer"] = OuterSettings(settings.outer, settings.outer_lr, settings.outer_momentum)
+    except (ConfigError, ValueError) as err:
+        raise CoordinatorError(f"the coordinator sent an unusable outer optimizer: {err}") from None
     if settings.backend is not None:
         values["backend"] = settings.backend
     if settings.keep_checkpoints:
@@ -87,9 +92,9 @@ def adopt(config: WorkerConfig, settings: RunSettings) -> WorkerConfig:
 
 async def receive_settings(channel: Channel, config: WorkerConfig) -> WorkerConfig:
     """Wait (up to the heartbeat timeout) for the coordinator's first message, RunSettings,
-    and :func:`adopt` it. A config built in code (``given`` None) asks for nothing and is
-    returned as it is. CoordinatorError when the first message is something else or none
-    comes in time."""
+    and :func:`adopt` it. The outer optimizer is always the coordinator's (no variable sets
+    it). A config built in code (``given`` None) asks for nothing and is returned as it is.
+    CoordinatorError when the first message is something else or none comes in time."""
     if config.given is None:
         return config
     with trio.move_on_after(config.heartbeat_timeout):

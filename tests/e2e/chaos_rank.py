@@ -222,6 +222,9 @@ class ChaosBackend:
     ) -> PendingAverage:
         return await self.inner.start_background_average(nursery, params, buffers, batches, gamma)
 
+    async def share_newest(self, tensors: Sequence[torch.Tensor], version: int) -> int:
+        return await self.inner.share_newest(tensors, version)
+
     async def close(self) -> None:
         await self.inner.close()
 
