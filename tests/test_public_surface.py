@@ -774,6 +774,7 @@ RUN_FILES = [
     "checkpoints/rank0/flodl-step000000120-v000003.model.safetensors",
     "checkpoints/rank0/flodl-step000000120-v000003.optim.json",
     "checkpoints/rank0/flodl-step000000120-v000003.optim.safetensors",
+    "checkpoints/rank0/flodl-step000000120-v000003.outer.safetensors",
     "checkpoints/rank0/flodl-step000000120-v000003.rank1.death.json",
     "checkpoints/rank0/latest.json",
     "coordinator.sock",
@@ -827,6 +828,7 @@ def test_checkpoint_constants() -> None:
         MODEL_SUFFIX,
         OPTIM_STRUCTURE_SUFFIX,
         OPTIM_TENSORS_SUFFIX,
+        OUTER_SUFFIX,
     )
     from flodl.checkpoint.prune import FLODL_STEM
 
@@ -840,6 +842,7 @@ def test_checkpoint_constants() -> None:
         "MODEL_SUFFIX": MODEL_SUFFIX,
         "OPTIM_STRUCTURE_SUFFIX": OPTIM_STRUCTURE_SUFFIX,
         "OPTIM_TENSORS_SUFFIX": OPTIM_TENSORS_SUFFIX,
+        "OUTER_SUFFIX": OUTER_SUFFIX,
         "SCHEMA_VERSION": SCHEMA_VERSION,
         "TEMP_MARKER": TEMP_MARKER,
         "TREE_FORMAT": TREE_FORMAT,
@@ -853,6 +856,7 @@ def test_checkpoint_constants() -> None:
         "MODEL_SUFFIX": ".model.safetensors",
         "OPTIM_STRUCTURE_SUFFIX": ".optim.json",
         "OPTIM_TENSORS_SUFFIX": ".optim.safetensors",
+        "OUTER_SUFFIX": ".outer.safetensors",
         "SCHEMA_VERSION": 3,
         "TEMP_MARKER": ".tmp-",
         "TREE_FORMAT": "flodl-state-tree/1",

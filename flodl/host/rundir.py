@@ -49,7 +49,8 @@ _RANK_DIR = re.compile(r"rank\d+")
 _BUNDLE = re.compile(
     r"latest\.json"
     r"|[A-Za-z0-9][A-Za-z0-9_.-]*"
-    r"(\.model\.safetensors|\.optim\.safetensors|\.optim\.json|\.config\.json|\.meta\.json"
+    r"(\.model\.safetensors|\.optim\.safetensors|\.optim\.json|\.outer\.safetensors"
+    r"|\.config\.json|\.meta\.json"
     r"|\.death\.json)"
     r"|\..+\.tmp-\d+-[0-9a-f]+"
 )
