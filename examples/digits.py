@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to train; cuda means GPU LOCAL_RANK (run with --backend nccl)",
     )
     parser.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=None,
+        metavar="A",
+        help="rank 0 checks the test accuracy at each epoch's start and stops the run for "
+        "every rank (rank.stop) once it reaches A",
+    )
+    parser.add_argument(
         "--slow",
         action="append",
         default=[],
@@ -145,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if batch.epoch != epoch:
                     epoch = batch.epoch
                     print(f"rank {rank.rank}: epoch {epoch} started", flush=True)
+                    if args.target_accuracy is not None and rank.rank == 0:
+                        reached = accuracy(model, x_test, y_test)
+                        if reached >= args.target_accuracy:
+                            rank.stop(f"test accuracy {reached:.4f} >= {args.target_accuracy}")
                 started = time.perf_counter()
                 optimizer.zero_grad()
                 loss = loss_fn(model(x_train[batch.indices]), y_train[batch.indices])

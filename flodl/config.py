@@ -213,8 +213,19 @@ class CoordinatorConfig:
     did while ``min_ranks`` allows, else fails naming the missing ones. A worker retries
     connecting for as long (``flodl worker --join-timeout``)."""
     anchor: int = setting(10, at_least(1), flag=Flag("--anchor", int))
-    max_anchor: int = setting(1000, at_least(1))
-    """The anchor never grows above this (``flodl`` derives it: max(1000, anchor))."""
+    max_anchor: int = setting(
+        1000,
+        at_least(1),
+        flag=Flag(
+            "--max-anchor",
+            int,
+            metavar="N",
+            help="cadence/async: the anchor (the slowest rank's batches per window) never grows "
+            "above N (default: 1000, or --anchor when that is larger)",
+        ),
+    )
+    """The anchor never grows above this (``flodl`` with no ``--max-anchor``: max(1000,
+    anchor))."""
     overhead_target: float = setting(0.05, check_positive)
     relax_up: bool = setting(
         False,
@@ -287,6 +298,19 @@ class CoordinatorConfig:
         ),
     )
     """The lowest live rank saves a bundle once this many more epochs are done (None: never)."""
+    max_time: float | None = setting(
+        None,
+        optional(check_seconds),
+        flag=Flag(
+            "--max-time",
+            float,
+            metavar="S",
+            help="stop the training after S seconds of it (from the first group formed): "
+            "nothing more is handed out, a last round averages what was trained, and the run "
+            "completes with one model",
+        ),
+    )
+    """Seconds of training after which the run stops as ``rank.stop()`` does (None: none)."""
     outer: str = setting(
         "none",
         check_outer_kind,
@@ -387,9 +411,9 @@ def coordinator_config_from(options: Mapping[str, Any], **others: Any) -> Coordi
             check(flag.name, value)
         values[field.name] = value
     timeout, anchor = values["heartbeat_timeout"], values["anchor"]
-    return CoordinatorConfig(
-        **values,
-        heartbeat_interval=min(1.0, timeout / 4),
-        max_anchor=max(1000, anchor),
-        **others,
-    )
+    default_max = attrs.fields(CoordinatorConfig).max_anchor.default
+    if values["max_anchor"] == default_max:
+        values["max_anchor"] = max(default_max, anchor)
+    elif values["max_anchor"] < anchor:
+        raise ConfigError(f"--max-anchor ({values['max_anchor']}) must be >= --anchor ({anchor})")
+    return CoordinatorConfig(**values, heartbeat_interval=min(1.0, timeout / 4), **others)

@@ -51,6 +51,7 @@ from flodl.transports import connect
 from flodl.transports.channel import Channel, connect_rank
 from flodl.wire.messages import (
     CoordHeartbeat,
+    IntentKind,
     Message,
     Metrics,
     NewGroupReady,
@@ -95,6 +96,8 @@ class RankScript:
     """Never answer RequestNewGroup (a silent generator)."""
     die_on_group_request: bool = False
     """Crash when asked to generate a group."""
+    stop_after_batches: int | None = None
+    """Stop the training after this many batches, as a script's ``rank.stop(reason)`` does."""
 
 
 @attrs.define
@@ -329,6 +332,8 @@ class ScriptedRank:
         loss = 1.0 / self.record.batches
         done = self.machine.batch_done(loss, script.data_ms, trio.current_time())
         await self._perform(channel, done)
+        if script.stop_after_batches == self.record.batches:
+            await self._perform(channel, self.machine.ask(IntentKind.STOP, "scripted stop"))
         if script.die_after_batches is not None and self.record.batches >= script.die_after_batches:
             self.kill()
             await trio.lowlevel.checkpoint()

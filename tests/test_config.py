@@ -48,6 +48,11 @@ TYPED = {
     "min_ranks": ("2", 2),
     "checkpoint_every": ("5", 5),
     "checkpoint_every_epochs": ("1", 1),
+    "max_anchor": ("40", 40),
+    "max_time": ("120", 120.0),
+    "outer": ("nesterov", "nesterov"),
+    "outer_lr": ("0.5", 0.5),
+    "outer_momentum": ("0.8", 0.8),
 }
 
 
@@ -93,6 +98,9 @@ def test_a_typed_flag_reaches_its_setting_and_the_machine(name: str) -> None:
         ("max_batch_diff", -1),
         ("window_cap_epochs", 0.0),
         ("checkpoint_every", 0),
+        ("max_time", 0.0),
+        ("outer_lr", -0.5),
+        ("outer_momentum", 1.0),
     ],
 )
 def test_one_rule_refuses_by_the_setting_or_by_its_flag(name: str, bad: object) -> None:
@@ -127,3 +135,16 @@ def test_machine_settings_copy_the_cadence_by_name() -> None:
     assert (cadence.max_batch_diff, cadence.relax_up) == (4, True)
     assert (cadence.window_cap_epochs, cadence.fill_idle_ranks) == (None, False)
     assert (settings.min_ranks, settings.trend_threshold) == (3, 0.5)
+
+
+def test_max_anchor_defaults_to_the_anchor_when_that_is_larger_and_never_below_it() -> None:
+    from flodl.cli import _coordinator_config, build_parser
+
+    def typed(*flags: str) -> CoordinatorConfig:
+        return _coordinator_config(build_parser().parse_args(coordinator_args(*flags)))
+
+    assert typed().max_anchor == 1000
+    assert typed("--anchor", "2000").max_anchor == 2000
+    assert typed("--anchor", "5", "--max-anchor", "20").max_anchor == 20
+    with pytest.raises(ConfigError, match=r"^--max-anchor \(5\) must be >= --anchor \(10\)"):
+        typed("--max-anchor", "5")

@@ -270,7 +270,9 @@ CLI_FLAGS = {
         "--join-timeout",
         "--keep-checkpoints",
         "--listen",
+        "--max-anchor",
         "--max-batch-diff",
+        "--max-time",
         "--min-ranks",
         "--no-live",
         "--outer",
@@ -299,7 +301,9 @@ CLI_FLAGS = {
         "--help",
         "--join-timeout",
         "--keep-checkpoints",
+        "--max-anchor",
         "--max-batch-diff",
+        "--max-time",
         "--min-ranks",
         "--no-live",
         "--nproc",
@@ -679,7 +683,7 @@ SAVE_REASONS = {
     "CHECKPOINT": 5,
 }
 
-INTENT_KINDS = {"EVAL_NOW": 0, "CHECKPOINT_NOW": 1, "SAVE_AND_STOP": 2}
+INTENT_KINDS = {"EVAL_NOW": 0, "CHECKPOINT_NOW": 1, "SAVE_AND_STOP": 2, "STOP": 3}
 
 
 def test_every_message_tag() -> None:

@@ -27,6 +27,7 @@ NOTABLE = frozenset(
         "CheckpointSaved",
         "Shutdown",
         "AnchorChanged",
+        "StopRequested",
     }
 )
 """Kinds of events the views print as a line of their own (also when stdout is no terminal).
@@ -67,6 +68,8 @@ def describe(record: Mapping[str, Any]) -> str:
         if error:
             return f"{at} rank {record.get('rank')} failed to save: {error}"
         return f"{at} rank {record.get('rank')} saved in {record.get('elapsed_ms', 0.0):.0f} ms"
+    if kind == "StopRequested":
+        return f"{at} {record.get('why')}: a last round, then the run ends"
     if kind == "Shutdown":
         return f"{at} shutdown: {record.get('why')}"
     if kind == "AnchorChanged":

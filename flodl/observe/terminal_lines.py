@@ -23,7 +23,15 @@ SAVE_GROUP_S = 0.5
 """How long after the first rank's save result the others of the same save are awaited."""
 
 _KINDS = frozenset(
-    {"RankDead", "GroupReformed", "GoingOnWithout", "SaveRequested", "CheckpointSaved", "Shutdown"}
+    {
+        "RankDead",
+        "GroupReformed",
+        "GoingOnWithout",
+        "SaveRequested",
+        "StopRequested",
+        "CheckpointSaved",
+        "Shutdown",
+    }
 )
 
 

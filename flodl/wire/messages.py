@@ -53,6 +53,9 @@ class IntentKind(enum.IntEnum):
     SAVE_AND_STOP = 2
     """End the run with ShutdownWithSave(GRACEFUL): the rank's process got SIGTERM or SIGINT
     (``flodl worker``)."""
+    STOP = 3
+    """End the training at the next round: nothing more is handed out, a last round averages
+    what was trained, and the run completes with one model (``rank.stop(reason)``)."""
 
 
 @attrs.frozen
@@ -285,12 +288,14 @@ class LrUpdate(Message):
 
 @attrs.frozen
 class Intent(Message):
-    """``rank`` asks for an evaluation or a checkpoint at the next averaging round, or for the
-    run to save and stop."""
+    """``rank`` asks for an evaluation or a checkpoint at the next averaging round, for the run
+    to save and stop, or for the training to stop after a last round."""
 
     TAG: ClassVar[int] = 70
     rank: int = u64()
     kind: IntentKind = int_enum(IntentKind)
+    reason: str | None = opt_text()
+    """Why (``STOP``: the script's reason, shown in the run's summary and event log)."""
 
 
 STOP_SAVE_VERSION = 0

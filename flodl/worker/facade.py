@@ -247,6 +247,16 @@ class Rank:
         CoordinatorError once the coordinator is lost."""
         self._call(self.worker.request_checkpoint)
 
+    def stop(self, reason: str) -> None:
+        """End the run for every rank at the next averaging round (a time budget spent, a
+        target loss reached): nothing more is handed out, the batches already handed out are
+        trained, a last round averages them, every rank saves its final bundle (the same
+        model on every rank) and :meth:`batches` ends as after the last epoch, so the script
+        goes on to its evaluation and exits 0. Returns once the request is sent; ``reason``
+        is shown in the run's summary and event log. A second stop does nothing;
+        CoordinatorError once the coordinator is lost."""
+        self._call(self.worker.stop, reason)
+
     def report_final(self, **metrics: float) -> None:
         """Record final metrics (e.g. ``test_accuracy=0.97``) for the run summary."""
         worker = self.worker

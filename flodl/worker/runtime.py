@@ -60,8 +60,10 @@ from flodl.errors import (
     OutOfTurn,
 )
 from flodl.transports.channel import Channel
+from flodl.wire.fields import MAX_TEXT
 from flodl.wire.messages import (
     EpochAggregated,
+    IntentKind,
     Message,
 )
 from flodl.worker.assignment import Assignment
@@ -254,6 +256,15 @@ class Worker:
     async def request_checkpoint(self) -> None:
         """Ask for a bundle of this rank after the next settled round (``Intent``)."""
         self._perform(self.machine.request_checkpoint())
+        await self._outbox.flush()
+
+    async def stop(self, reason: str) -> None:
+        """End the training for every rank: nothing more is handed out, the batches already
+        handed out are finished, a last round averages them and the run completes (every
+        rank saves its final bundle, all holding the same model), so :meth:`next_batch` ends
+        as at the last epoch's end. Returns once the request is sent; a second stop, or one
+        once the run is ending, does nothing."""
+        self._perform(self.machine.ask(IntentKind.STOP, reason[:MAX_TEXT]))
         await self._outbox.flush()
 
     def report_final(self, **metrics: float) -> None:

@@ -49,6 +49,7 @@ from flodl.core.coordinator.liveness import Liveness
 from flodl.core.coordinator.losses import Losses
 from flodl.core.coordinator.membership import Membership
 from flodl.core.coordinator.rendezvous import Rendezvous
+from flodl.core.coordinator.requests import ScriptRequests
 from flodl.core.coordinator.rounds import Due, ResumeState, Rounds
 from flodl.core.coordinator.settings import MachineSettings
 from flodl.core.coordinator.stats import RankStats
@@ -61,7 +62,6 @@ from flodl.wire.messages import (
     Exiting,
     Heartbeat,
     Intent,
-    IntentKind,
     LrUpdate,
     Message,
     Metrics,
@@ -145,6 +145,7 @@ class CoordinatorMachine:
             self.stats,
             supervised=local_ranks == frozenset(range(world_size)),
         )
+        self.requests = ScriptRequests(settings.max_time, self.rounds, self.ending, self.timeline)
         self.losses = Losses(
             settings,
             self.formation,
@@ -225,6 +226,7 @@ class CoordinatorMachine:
             self.rendezvous.next_deadline(),
             self.ending.held_until,
             self.joining.deadline,
+            self.requests.deadline,
         ):
             if deadline is not None and deadline < best:
                 best = deadline
@@ -314,12 +316,7 @@ class CoordinatorMachine:
             self.stats[rank].lr = message.lr
             return []
         if isinstance(message, Intent):
-            if message.kind is IntentKind.CHECKPOINT_NOW:
-                self.rounds.request_checkpoint(rank)
-            if message.kind is IntentKind.SAVE_AND_STOP:
-                why = f"rank {rank} asked to stop"
-                return list(self.ending.save_when_settled(SaveReason.GRACEFUL, now, why))
-            return []
+            return self._carry_out(self.requests.on_intent(rank, message, now), now)
         if isinstance(message, CheckpointResult):
             record_save(self.timeline, now, rank, message)
             return self._maybe_trigger(now) if self.rounds.on_checkpoint_result(message) else []
@@ -355,7 +352,7 @@ class CoordinatorMachine:
         final_until = self.rounds.saves.final_until
         if final_until is not None and now >= final_until:
             effects += self._maybe_trigger(now)
-        return effects
+        return effects + self._carry_out(self.requests.on_tick(now), now)
 
     # --- joining and forming ----------------------------------------------------------------
 
@@ -466,7 +463,7 @@ class CoordinatorMachine:
             saving = self.rounds.final_saves(now)
             if saving is not None:
                 return effects + saving
-            return effects + self.ending.shutdown(now, "all epochs done")
+            return effects + self.ending.shutdown(now, self.requests.why or "all epochs done")
         if due is not Due.NOW:
             return []
         joiners = self.membership.joiners & self.alive

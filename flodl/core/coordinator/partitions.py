@@ -348,6 +348,7 @@ class ChunkPool:
         self._n_samples = n_samples
         self._total_batches = _batches_in(n_samples, batch_size)
         self._cursor = 0
+        self._closed = False
 
     @property
     def ledger(self) -> EpochLedger:
@@ -363,13 +364,18 @@ class ChunkPool:
 
     @property
     def remaining_batches(self) -> int:
-        """Batches not yet handed to anyone."""
-        return self._total_batches - self._cursor
+        """Batches not yet handed to anyone (none once the pool is closed)."""
+        return 0 if self._closed else self._total_batches - self._cursor
 
     @property
     def drained(self) -> bool:
-        """True when the cursor is exhausted."""
-        return self._cursor >= self._total_batches
+        """True when the cursor is exhausted or the pool closed."""
+        return self._closed or self._cursor >= self._total_batches
+
+    def close(self) -> None:
+        """Hand out nothing more: the batches not yet handed out are left untrained (the run
+        was stopped). What was handed out stays to be finished."""
+        self._closed = True
 
     def is_quiesced(self, rank: int) -> bool:
         """Nothing in flight for ``rank`` and the pool drained (the trigger's exemption)."""

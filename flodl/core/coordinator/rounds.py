@@ -132,6 +132,8 @@ class Rounds:
         self._liveness = liveness
         self._timeline = timeline
         self.log = RoundLog()
+        self.started_at: float | None = None
+        """When training started (the first group formed); None before."""
         """Per-rank facts of each window and round, for the SyncEnd event."""
         self._progressive = policy is not Policy.SYNC
         self._waits = policy is Policy.CADENCE
@@ -176,6 +178,7 @@ class Rounds:
         (the ranks give group rank 0's copy all the mass in it, as DDP broadcasts from rank 0).
         """
         members = self._membership.members
+        self.started_at = now
         for rank in set(range(self._membership.world_size)) - set(members):
             self.cycle.drop_rank(now, rank)
         self.pacing.form(members)

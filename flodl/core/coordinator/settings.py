@@ -90,3 +90,6 @@ class MachineSettings:
     min_ranks: int | None
     """Ranks dying before the world joined: the run starts without them while at least this
     many can still join (None: the SingleSurvivor rule, 2 for a collective group, else 1)."""
+    max_time: float | None
+    """Seconds of training (from the first group formed) after which the training stops and
+    the run ends after a last round (None: no budget)."""

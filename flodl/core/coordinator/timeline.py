@@ -29,6 +29,9 @@ class EventKind(enum.Enum):
     SHUTDOWN = "Shutdown"
     GOING_ON_WITHOUT = "GoingOnWithout"
     """A rank died before the world joined: the run starts with the ranks that remain."""
+    STOP_REQUESTED = "StopRequested"
+    """The training stops early (a rank's ``stop``, the time budget): nothing more is handed
+    out, and the run ends after a last round."""
 
 
 @attrs.frozen

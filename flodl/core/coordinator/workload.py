@@ -42,6 +42,8 @@ class Workload:
         self.epochs = epochs
         self._next_epoch = first_epoch
         self._pools: list[ChunkPool] = []
+        self.stopped = False
+        """True once :meth:`stop` was called: nothing more is handed out."""
         self._open_next()
 
     # --- queries ----------------------------------------------------------------------------
@@ -61,8 +63,9 @@ class Workload:
 
     @property
     def exhausted(self) -> bool:
-        """Nothing left to hand out: every epoch has been dispatched."""
-        return self._next_epoch >= self.epochs and all(p.drained for p in self._pools)
+        """Nothing left to hand out: every epoch has been dispatched, or the work stopped."""
+        no_more = self.stopped or self._next_epoch >= self.epochs
+        return no_more and all(p.drained for p in self._pools)
 
     @property
     def done(self) -> bool:
@@ -87,8 +90,15 @@ class Workload:
 
     # --- changes ----------------------------------------------------------------------------
 
+    def stop(self) -> None:
+        """Hand out nothing more, from this epoch or a later one: the work is done once what
+        was handed out is finished. Idempotent."""
+        self.stopped = True
+        for pool in self._pools:
+            pool.close()
+
     def _open_next(self) -> ChunkPool | None:
-        if self._next_epoch >= self.epochs:
+        if self.stopped or self._next_epoch >= self.epochs:
             return None
         pool = ChunkPool(self._next_epoch, self.dataset_size, self.batch_size)
         self._next_epoch += 1

@@ -207,10 +207,15 @@ class RankMachine:
         """The script asks for a bundle of this rank: ``Intent(CHECKPOINT_NOW)``; the
         coordinator asks for it after the next settled round. Nothing once the run is ending
         (a bundle is saved then anyway, or the run is over); CoordinatorError once lost."""
+        return self.ask(IntentKind.CHECKPOINT_NOW)
+
+    def ask(self, kind: IntentKind, reason: str | None = None) -> list[RankEffect]:
+        """Send ``Intent(kind, reason)`` (``STOP``: end the training at the next round);
+        nothing once the run is ending or over; CoordinatorError once lost."""
         self.life.raise_if_lost()
         if self.life.ending or self.life.done:
             return []
-        return self._reports.send(Intent(rank=self.rank, kind=IntentKind.CHECKPOINT_NOW))
+        return self._reports.send(Intent(rank=self.rank, kind=kind, reason=reason))
 
     # --- messages ----------------------------------------------------------------------------
 

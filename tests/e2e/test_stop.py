@@ -1,0 +1,87 @@
+"""`flodl run` with real processes (gloo): a run the script or a time budget ends.
+
+``examples/digits.py --target-accuracy`` makes rank 0 call ``rank.stop(reason)`` once the test
+accuracy is reached; ``--max-time`` ends the training after that many seconds. Either way the
+run completes (exit 0), the reason is in the summary, and every rank's final bundle holds the
+same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flodl.checkpoint import find_latest, load_bundle
+from tests.worker.procs import DIGITS, pid_alive
+
+pytestmark = pytest.mark.slow
+
+
+def flodl_run(run_dir: Path, *flags: str, script_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flodl.cli",
+            "run",
+            "--nproc",
+            "2",
+            "--backend",
+            "gloo",
+            "--no-live",
+            "--run-dir",
+            str(run_dir),
+            *flags,
+            str(DIGITS),
+            "--epochs",
+            "500",
+            "--slow",
+            "1:2.5",
+            *script_args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed", summary
+    assert not any(pid_alive(r["pid"]) for r in summary["ranks"] if r.get("pid"))
+    return summary
+
+
+def assert_one_model(run_dir: Path) -> None:
+    states = []
+    for rank in (0, 1):
+        latest = find_latest(run_dir / "checkpoints" / f"rank{rank}")
+        assert latest is not None
+        states.append(load_bundle(latest).model_state)
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    reported = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+    accuracies = {r["final_metrics"]["test_accuracy"] for r in reported}
+    assert len(accuracies) == 1, reported  # the same model evaluated on the same data
+
+
+def test_a_script_that_reaches_its_target_stops_every_rank(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    run_dir = tmp_path / "run"
+    summary = flodl_run(run_dir, script_args=("--target-accuracy", "0.9"))
+    assert summary["message"].startswith("rank 0 stopped the training: test accuracy 0.9")
+    assert_one_model(run_dir)
+    reported = json.loads((run_dir / "rank0.json").read_text())
+    assert reported["final_metrics"]["test_accuracy"] >= 0.85  # one window after the target
+
+
+def test_max_time_ends_the_training_after_its_budget(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    run_dir = tmp_path / "run"
+    summary = flodl_run(run_dir, "--max-time", "3")
+    assert summary["message"] == "the time budget (3 s of training) is spent"
+    assert_one_model(run_dir)

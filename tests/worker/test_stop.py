@@ -1,0 +1,110 @@
+"""``stop(reason)`` from a script and the ``max_time`` budget end the run for every rank with
+one model: a coordinator and two real workers in one trio run (memory transport, real gloo
+groups); the final bundles of the ranks hold bitwise-equal weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from flodl.checkpoint import load_bundle
+from flodl.config import CoordinatorConfig
+from flodl.coordinator.server import open_coordinator
+from flodl.core.common.policy import Policy
+from flodl.core.coordinator.machine import Status
+from flodl.worker import open_worker
+from flodl.worker.records import tensors_sha256
+from tests.worker.test_inprocess import KEY, _names, make_model, worker_config
+
+DATASET, BATCH, EPOCHS = 4096, 4, 50  # far more than the run will train
+
+
+async def train_until(
+    config: Any, model: torch.nn.Module, stop_after: int | None, ms_per_batch: float
+) -> dict[str, Any]:
+    x = torch.linspace(-1, 1, DATASET * 3).reshape(DATASET, 3)
+    y = x.sum(dim=1, keepdim=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    async with open_worker(config, model, optimizer) as worker:
+        await worker.announce(DATASET, BATCH, EPOCHS)
+        batches = 0
+        while (item := await worker.next_batch()) is not None:
+            idx = list(item.indices)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            await trio.sleep(ms_per_batch / 1000)
+            await worker.batch_done(0.0)
+            batches += 1
+            if batches == stop_after:
+                await worker.stop("the target loss is reached")
+        worker.report_final(batches=batches)
+    report: dict[str, Any] = json.loads((config.run_dir / f"rank{config.rank}.json").read_text())
+    return report
+
+
+async def run_pair(
+    tmp_path: Path, policy: Policy, stop_after: int | None, max_time: float | None = None
+) -> tuple[Any, list[dict[str, Any]], list[torch.nn.Module]]:
+    coordinator_config = CoordinatorConfig(
+        policy=policy, heartbeat_interval=0.2, heartbeat_timeout=5.0, anchor=3, max_time=max_time
+    )
+    models = [make_model(seed=r) for r in range(2)]
+    reports: list[dict[str, Any]] = [{}, {}]
+    url = f"memory://worker-stop-{next(_names)}"
+    with trio.fail_after(60):
+        async with open_coordinator(url, 2, KEY, coordinator_config, linger=5.0) as coord:
+            async with trio.open_nursery() as nursery:
+                for rank in range(2):
+
+                    async def run(rank: int = rank) -> None:
+                        config = worker_config(coord.url, rank, 2, tmp_path, policy=policy)
+                        # rank 1 is the slower one, and the one that stops the run
+                        reports[rank] = await train_until(
+                            config, models[rank], stop_after if rank == 1 else None, 2.0 + 3 * rank
+                        )
+
+                    nursery.start_soon(run)
+            outcome = await coord.wait_finished()
+    return outcome, reports, models
+
+
+def assert_one_model(tmp_path: Path, reports: list[dict[str, Any]], models: list[Any]) -> None:
+    for report in reports:
+        assert report["exit_reason"] == "completed"
+    final = [tensors_sha256(list(m.parameters())) for m in models]
+    assert final[0] == final[1]
+    bundles = []
+    for rank in range(2):
+        directory = tmp_path / "checkpoints" / f"rank{rank}"
+        stem = json.loads((directory / "latest.json").read_text())["stem"]
+        bundles.append(load_bundle(directory / stem))
+    first, second = (b.model_state for b in bundles)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert tensors_sha256(list(first.values())) == tensors_sha256(
+        list(models[0].state_dict().values())
+    )
+
+
+@pytest.mark.parametrize("policy", [Policy.SYNC, Policy.CADENCE, Policy.ASYNC])
+async def test_a_scripts_stop_ends_every_rank_with_one_model(
+    policy: Policy, tmp_path: Path
+) -> None:
+    outcome, reports, models = await run_pair(tmp_path, policy, stop_after=30)
+    assert outcome.status is Status.COMPLETED, outcome
+    assert outcome.message == "rank 1 stopped the training: the target loss is reached"
+    assert_one_model(tmp_path, reports, models)
+    assert reports[1]["final_metrics"]["batches"] < 60  # the rest of a window at most
+
+
+async def test_the_time_budget_ends_every_rank_with_one_model(tmp_path: Path) -> None:
+    outcome, reports, models = await run_pair(tmp_path, Policy.CADENCE, None, max_time=1.0)
+    assert outcome.status is Status.COMPLETED, outcome
+    assert outcome.message == "the time budget (1 s of training) is spent"
+    assert_one_model(tmp_path, reports, models)
