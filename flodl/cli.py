@@ -95,7 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", help="run SCRIPT on N local ranks with a coordinator")
+    # allow_abbrev=False: a script's own option (``--out``) must not be taken for an
+    # abbreviation of one of ours (``--outer``), so what follows SCRIPT reaches it unchanged.
+    run = commands.add_parser(
+        "run", help="run SCRIPT on N local ranks with a coordinator", allow_abbrev=False
+    )
     run.add_argument(
         "--nproc",
         required=True,
@@ -185,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the event log as TensorBoard scalars to DIR (needs flodl[tensorboard])",
     )
 
-    worker = commands.add_parser("worker", help="run SCRIPT as one rank of a remote coordinator")
+    worker = commands.add_parser(
+        "worker", help="run SCRIPT as one rank of a remote coordinator", allow_abbrev=False
+    )
     worker.add_argument("--coordinator", required=True, metavar="URL")
     worker.add_argument(
         "--rank", type=int, default=None, help="default: from Slurm's or torchrun's variables"

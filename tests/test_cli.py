@@ -251,3 +251,20 @@ def test_show_ranks_relays_only_those_ranks_and_logs_all(tmp_path: Path) -> None
     for rank in range(3):
         log = (tmp_path / "run" / f"rank{rank}.log").read_text()
         assert f"hello from {rank}" in log
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["run", "--nproc", "2"],
+        ["worker", "--coordinator", "tcp://127.0.0.1:1", "--rank", "0", "--world-size", "2"],
+    ],
+)
+def test_a_scripts_options_are_never_taken_for_abbreviations_of_ours(command: list[str]) -> None:
+    from flodl.cli import build_parser
+
+    # --out and --check would otherwise read as ambiguous abbreviations of --outer* and
+    # --checkpoint-*, and --max-t as --max-time.
+    script_args = ["--out=results", "--check", "--max-t", "3"]
+    args = build_parser().parse_args([*command, "train.py", *script_args])
+    assert (args.script, args.script_args) == ("train.py", script_args)

@@ -263,10 +263,27 @@ def test_elections_wait_for_stable() -> None:
         assert feed(elche, [50.0, 100.0]) == [10, 5]
         assert elche.anchor_rank == 0
     assert elche.phase is Phase.STABLE
-    # The 6th report runs in Stable: rank 1 is elected and everything is re-targeted.
+    # The 6th report runs in Stable: rank 1 is elected and everything is re-targeted (the
+    # anchor would carry the 500 ms window over as 5 batches of rank 1, but stays at its
+    # initial 10).
     assert feed(elche, [50.0, 100.0]) == [20, 10]
     assert elche.anchor_rank == 1
     assert elche.anchor_wall_ms == 1000.0
+
+
+def test_a_new_anchor_rank_keeps_the_windows_length() -> None:
+    elche = ElChe(2, anchor=10)
+    feed(elche, [100.0, 100.0], rounds=6)
+    elche._tuner.anchor = 30  # grown on rank 0: 3 s windows
+    while elche.anchor_rank == 0:  # rank 1 slows down until it is elected
+        wall_before = elche.anchor_wall_ms
+        feed(elche, [100.0, 300.0])
+    # The anchor carried the window's length over to rank 1's (smoothed) batches.
+    slow_ms = elche.smoothed_ms[1]
+    assert slow_ms is not None
+    assert elche.anchor == rust_round(30 * 100.0 / slow_ms)
+    assert elche.anchor < 30
+    assert elche.anchor_wall_ms == pytest.approx(wall_before, rel=0.05)
 
 
 def test_sticky_anchor_survives_small_drift() -> None:
@@ -290,9 +307,12 @@ def test_lost_anchor_rank_is_replaced_at_once() -> None:
     for _ in range(5):
         c = elche.batch_counts
         report(elche, [0.0, c[1] * 80.0, c[2] * 50.0], [0, c[1], c[2]], 0.0)
-    # Rank 0 missed 5 reports: even in Warmup a new anchor rank is elected among the timed.
+    # Rank 0 missed 5 reports: even in Warmup a new anchor rank is elected among the timed,
+    # and the anchor carries the window's length over: round(10 * 100 / 80) = 13 batches of
+    # rank 1; rank 2 round(13 * 80 / 50) = 21.
     assert elche.anchor_rank == 1
-    assert elche.batch_counts == [10, 10, 16]
+    assert elche.anchor == 13
+    assert elche.batch_counts == [13, 13, 21]
 
 
 def test_with_every_rank_lost_rank_0_stands_in() -> None:

@@ -123,18 +123,23 @@ def test_never_grows_while_the_cap_binds() -> None:
     assert elche.staged_anchor == 20
 
 
-def test_window_feed_counts_the_anchor_ranks_fill_as_overhead() -> None:
+def test_window_feed_counts_only_the_average_as_overhead() -> None:
     elche = ElChe(2)
     quiet = [RankWindow(11, compute_ms=1000.0), RankWindow(21, compute_ms=1000.0)]
     for _ in range(5):
         elche.report_window(quiet, reduce_ms=0.0)
     assert elche.batch_counts == [10, 20]
-    # ov = (50 + 50) / (10 * 100 + 50 + 50): only the anchor rank's fill counts.
-    noisy = [
-        RankWindow(11, fill_ms=50.0, compute_ms=1000.0),
-        RankWindow(21, fill_ms=500.0, compute_ms=1000.0),
+    # The anchor rank's fill batch held a 5 s evaluation: not averaging cost.
+    # ov = 10 / (10 * 100 + 10).
+    evaluated = [
+        RankWindow(11, fill_ms=5000.0, compute_ms=1000.0),
+        RankWindow(21, fill_ms=50.0, compute_ms=1000.0),
     ]
-    elche.report_window(noisy, reduce_ms=50.0)
+    elche.report_window(evaluated, reduce_ms=10.0)
+    assert elche.overhead == pytest.approx(10 / 1010)
+    assert elche.staged_anchor is None
+    # A slow average does count: ov = 100 / 1100 > 5% stages round up 10 * 0.0909 / 0.05.
+    elche.report_window(quiet, reduce_ms=100.0)
     assert elche.overhead == pytest.approx(100 / 1100)
     assert elche.staged_anchor == 19
 

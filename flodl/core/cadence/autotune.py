@@ -2,7 +2,8 @@
 
 Averaging costs about the same however long the window, so a short window spends a large share
 of its time in the average. After every report :meth:`AnchorTuner.stage` measures that share
-(the *overhead*: the average's duration plus the anchor rank's fill batch, over the window) and,
+(the *overhead*: the average's duration over the window; floDl adds the anchor rank's fill
+batch, flodl does not) and,
 past ``overhead_target``, stages a larger anchor: at most double, never below the initial anchor
 nor above ``max_anchor``, only from Stable on (from the 2nd calibration of Warmup at twice the
 target), never under the Sync policy or while the window cap binds. A staged anchor is only a
@@ -76,18 +77,21 @@ class AnchorTuner:
         self,
         slow_ms: float | None,
         reduce_ms: float,
-        fill_ms: float,
         *,
         calibration_count: int,
         cap_binding: bool,
     ) -> None:
         """Measure the overhead of the window just reported; stage a larger anchor if it is
-        too high. ``slow_ms`` is the anchor rank's time per batch, ``fill_ms`` its fill."""
+        too high. ``slow_ms`` is the anchor rank's time per batch."""
         self.staged = None
         self.overhead = None
         if slow_ms is None or not (math.isfinite(reduce_ms) and reduce_ms >= 0.0):
             return
-        spent = reduce_ms + fill_ms
+        # The window's fill batch is not averaging cost (floDl counts it): it is about as long
+        # as any other batch, and a script's own work after an average (an evaluation of the
+        # shared model) lands in it. Counted, it alone made a 10-batch window look like 10%
+        # overhead and doubled the anchor while averaging took 0.5% of the time.
+        spent = reduce_ms
         self.overhead = overhead = spent / (self.anchor * slow_ms + spent)
         if self.sync_policy or cap_binding or self.growth_latched:
             return
@@ -143,6 +147,21 @@ class AnchorTuner:
         if shrunk == self.anchor:
             return False
         self.anchor = shrunk
+        return True
+
+    def carry_over(self, before_ms: float, after_ms: float) -> bool:
+        """The anchor rank changed from one taking ``before_ms`` per batch to one taking
+        ``after_ms``: scale the anchor so that a window lasts as long as before, within
+        ``[min_anchor, max_anchor]`` (without it, an anchor grown on a fast rank would make
+        windows several times longer once a slow rank took over). True if it changed."""
+        if not (before_ms > 0.0 and after_ms > 0.0):
+            return False
+        scaled = rust_round(self.anchor * before_ms / after_ms)
+        carried = min(max(scaled, self.min_anchor), self.max_anchor)
+        if carried == self.anchor:
+            return False
+        self.anchor = carried
+        self.staged = None
         return True
 
     def relax_up(self, smoothed_ms: Sequence[float | None], max_batch_diff: int | None) -> bool:

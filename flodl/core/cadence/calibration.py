@@ -26,7 +26,6 @@ __all__ = [
     "RankWindow",
     "check_per_rank",
     "elect_anchor",
-    "fill_ms_of",
     "window_samples",
 ]
 
@@ -103,13 +102,6 @@ def window_samples(windows: Sequence[RankWindow | None], use_delivered: bool) ->
         ms = (spent or 0.0) / (window.batches - 1)
         samples.append(ms if positive_finite(ms) else None)
     return samples
-
-
-def fill_ms_of(window: RankWindow | None) -> float:
-    """The window's fill time, 0.0 where it has none or an unusable one."""
-    if window is None or not math.isfinite(window.fill_ms):
-        return 0.0
-    return max(window.fill_ms, 0.0)
 
 
 def check_per_rank(name: str, seq: Sequence[object], world_size: int) -> None:

@@ -27,7 +27,6 @@ from flodl.core.cadence.calibration import (
     Calibration,
     RankWindow,
     elect_anchor,
-    fill_ms_of,
     window_samples,
 )
 from flodl.core.cadence.counts import Counts, speed_targets
@@ -231,12 +230,15 @@ class ElChe:
             )
         calibration = self._calibration
         was_calibrated = calibration.calibrated
+        before_ms = calibration.slow_ms
         rank_changed = calibration.ingest(window_samples(windows, use_delivered))
+        after_ms = calibration.slow_ms
+        if rank_changed and before_ms is not None and after_ms is not None:
+            self._tuner.carry_over(before_ms, after_ms)
         self._recompute(retarget=not was_calibrated or rank_changed, step_clamp=was_calibrated)
         self._tuner.stage(
             calibration.slow_ms,
             reduce_ms,
-            fill_ms_of(windows[calibration.anchor_rank]),
             calibration_count=calibration.count,
             cap_binding=self._counts.cap_binding,
         )
