@@ -56,6 +56,11 @@ class TrainingBatch:
     indices: list[int]
     """Dataset indices of this batch's samples."""
     _rank: Rank
+    averaged: bool = False
+    """An average landed on this rank since the previous batch was handed out (for the
+    first batch: the run's first round, which gives every rank the same start): the
+    parameters are now the shared model (under ``async``: blended into it), the moment to
+    evaluate it. Set before the batch is handed out, so it is exact, not a batch late."""
 
     def done(self, loss: SupportsFloat, *, data_ms: float = 0.0) -> None:
         """Report this batch finished with ``loss`` (a float or a one-element tensor)."""
@@ -204,6 +209,7 @@ class Rank:
         self._call(worker.announce, dataset_size, batch_size, epochs)
         token = self._token
         assert token is not None
+        averages_seen = 0
         while True:
             self._outstanding = False  # one not reported is reported by next_batch (NaN loss)
             assignment = worker.take_staged()  # no boundary needed: no wait for the trio thread
@@ -217,11 +223,14 @@ class Rank:
                 if assignment is None:
                     return
             self._outstanding = True
+            averages, seen = worker.averages, averages_seen
+            averages_seen = averages
             yield TrainingBatch(
                 epoch=assignment.epoch,
                 positions=range(assignment.start, assignment.stop),
                 indices=list(assignment.indices),
                 rank=self,
+                averaged=averages != seen,
             )
 
     def step_done(self, loss: SupportsFloat, *, data_ms: float = 0.0) -> None:

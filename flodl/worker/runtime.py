@@ -149,6 +149,12 @@ class Worker:
         return self.machine.global_step
 
     @property
+    def averages(self) -> int:
+        """Averages that landed on this rank so far (blended ones under ``async``): when it
+        changed between two batches, the parameters are the shared model."""
+        return self.machine.syncs
+
+    @property
     def steps_since_average(self) -> int:
         """Batches run since the last average (for ``global_step + steps_since_average``)."""
         return self.machine.since_average

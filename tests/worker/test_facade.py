@@ -87,3 +87,33 @@ def test_a_plain_loop_trains_every_sample_and_done_does_not_wait(tmp_path: Path)
     results = coordinator.machine.epoch_results
     assert [r["samples"] for r in results] == [DATASET] * EPOCHS
     assert all(r["avg_loss"] > 0 for r in results)
+
+
+def test_batch_averaged_marks_the_first_batch_after_each_average(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(DATASET, 4)
+    y = x.sum(dim=1, keepdim=True)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    marks: list[bool] = []
+    with coordinator_thread(1) as (url, _served):
+        config = WorkerConfig(
+            coordinator=url,
+            session_key=KEY,
+            rank=0,
+            world_size=1,
+            backend="gloo",
+            heartbeat_interval=0.2,
+            heartbeat_timeout=5.0,
+            run_dir=tmp_path,
+        )
+        with join(model, optimizer, config) as rank:
+            for batch in rank.batches(DATASET, BATCH, EPOCHS):
+                marks.append(batch.averaged)
+                batch.done(0.0)
+            syncs = rank.worker.averages
+    assert marks[0], "the run's first round comes before the first batch"
+    # Every round but the last (which ends the run after the last batch) precedes a batch,
+    # and one batch only: the mark is exact, not a batch late.
+    assert sum(marks) == syncs - 1
+    assert syncs > 2 and len(marks) == EPOCHS * DATASET // BATCH
