@@ -90,9 +90,6 @@ def test_a_plain_loop_trains_every_sample_and_done_does_not_wait(tmp_path: Path)
 
 
 def test_batch_averaged_marks_the_first_batch_after_each_average(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    x = torch.randn(DATASET, 4)
-    y = x.sum(dim=1, keepdim=True)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     marks: list[bool] = []
