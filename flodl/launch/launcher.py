@@ -165,6 +165,7 @@ async def _launch(
         observing = open_observer(coordinator, run_dir, (trio_start, clock_unix))
         try:
             async with observing as observer, trio.open_nursery() as nursery:
+                view = observer.view
                 dashboard = await nursery.start(run_views, observer, config.views)
                 if dashboard is not None and config.echo:
                     say(f"flodl: dashboard at {dashboard}")
@@ -216,7 +217,7 @@ async def _launch(
                         item.exited_unix = time.time()
                         item.exit_log.exited(item.rank, item.process.pid, code, item.exited_unix)
         summary = build_summary(
-            config, coordinator.record, spawned, (clock_unix, trio_start), stops
+            config, coordinator.record, spawned, (clock_unix, trio_start), stops, view
         )
         summary["wall_s"] = time.time() - started_unix
         summary["run_dir"] = str(run_dir)

@@ -22,6 +22,7 @@ from flodl.core.coordinator.timeline import EventKind
 from flodl.launch.config import LaunchConfig
 from flodl.launch.failure_report import add_failure_report, print_root_cause
 from flodl.launch.saves import account_saves
+from flodl.observe.state import RunView
 from flodl.supervise.exits import exit_text
 from flodl.supervise.ranks import RankProcess
 
@@ -34,8 +35,14 @@ def build_summary(
     spawned: Sequence[RankProcess],
     clocks: tuple[float, float],
     stops: StopSignals | None = None,
+    view: RunView | None = None,
 ) -> dict[str, Any]:
-    """What happened, per rank and per death, in one JSON-able dict."""
+    """What happened, per rank and per death, in one JSON-able dict.
+
+    ``view``: the run as the live views folded it; each rank's idle and averaging shares are
+    then its (the same figures the live table showed: time waiting and averaging over the
+    windows and rounds the rank trained in). Without it, or for a rank it has no figures
+    for, they are the rank's own totals over its time from the first batch to its exit."""
     clock_unix, trio_start = clocks
     stops = stops or StopSignals()
     saves = account_saves(record, spawned, config.run_dir, stops)
@@ -50,6 +57,12 @@ def build_summary(
         # its own folder); the second of slack covers file times lagging the clock.
         report = _read_json(config.run_dir / f"rank{item.rank}.json", since=item.started_unix - 1)
         stats = record.stats[item.rank]
+        row = {} if view is None or item.rank not in view.ranks else view.ranks[item.rank].to_json()
+        idle_share = row.get("idle_share")
+        averaging_share = row.get("averaging_share")
+        if idle_share is None or averaging_share is None:
+            idle_share = _share(report.get("idle_s"), _training_s(report))
+            averaging_share = _share(report.get("averaging_s"), _training_s(report))
         ranks.append(
             {
                 "rank": item.rank,
@@ -63,8 +76,8 @@ def build_summary(
                 "averaging_s": report.get("averaging_s"),
                 "wall_s": report.get("wall_s"),
                 "startup_s": report.get("startup_s"),
-                "idle_share": _share(report.get("idle_s"), _training_s(report)),
-                "averaging_share": _share(report.get("averaging_s"), _training_s(report)),
+                "idle_share": idle_share,
+                "averaging_share": averaging_share,
                 "exit_reason": report.get("exit_reason"),
                 "bundle": saves.bundles.get(item.rank),
                 "final_metrics": report.get("final_metrics", {}),

@@ -47,6 +47,18 @@ class RoundRow:
         raw = self.ranks.get(rank, {}).get(key)
         return None if raw is None else float(raw)
 
+    @property
+    def loss(self) -> float | None:
+        """The window's mean training loss over every rank's batches (None: none reported
+        one): each rank's mean weighted by its batches."""
+        weighted = [
+            (float(facts["loss"]), int(facts.get("batches") or 0))
+            for facts in self.ranks.values()
+            if facts.get("loss") is not None
+        ]
+        batches = sum(n for _, n in weighted)
+        return sum(loss * n for loss, n in weighted) / batches if batches else None
+
 
 @attrs.frozen
 class Mark:

@@ -169,14 +169,21 @@ def divergence(history: RunHistory) -> Figure:
 
 
 def loss(history: RunHistory) -> Figure:
-    """The average training loss of each aggregated epoch."""
-    figure, axes = _figure("Training loss per epoch")
-    axes.set_xlabel("epoch")
+    """The training loss against wall time: each window's mean over every rank's batches
+    (at the end of the round that averaged it), and each aggregated epoch's average."""
+    figure, axes = _figure("Training loss over time")
+    axes.set_xlabel("time since the coordinator started (s)")
     axes.set_ylabel("average training loss")
-    if not history.epochs:
-        _no_data(axes, "no epoch was aggregated")
+    windows = [(row.end, row.loss) for row in history.rounds if row.loss is not None]
+    if not windows and not history.epochs:
+        _no_data(axes, "no rank reported a loss")
         return figure
-    axes.plot([e[0] for e in history.epochs], [e[1] for e in history.epochs], "o-")
+    if windows:
+        axes.plot([t for t, _ in windows], [v for _, v in windows], ".-", label="window")
+    if history.epochs:
+        epochs_t = [e[2] for e in history.epochs]
+        axes.plot(epochs_t, [e[1] for e in history.epochs], "o", label="epoch")
+    axes.legend(loc="upper right")
     return figure
 
 
@@ -237,7 +244,7 @@ PLOTS = (
          "(a member died in it).", round_time),
     Plot("divergence", "Divergence", "How far each rank's parameters were from the average "
          "when it averaged: ||pre - post|| / ||post||.", divergence),
-    Plot("loss", "Loss", "Average training loss of each epoch over all ranks "
-         "(EpochAggregated).", loss),
+    Plot("loss", "Loss", "Training loss against wall time: each window's mean over every "
+         "rank's batches (SyncEnd) and each epoch's average (EpochAggregated).", loss),
 )  # fmt: skip
 """Every plot, in the page's order."""

@@ -69,7 +69,8 @@ def describe(record: Mapping[str, Any]) -> str:
             return f"{at} rank {record.get('rank')} failed to save: {error}"
         return f"{at} rank {record.get('rank')} saved in {record.get('elapsed_ms', 0.0):.0f} ms"
     if kind == "StopRequested":
-        return f"{at} {record.get('why')}: a last round, then the run ends"
+        then = "every rank saves" if record.get("save") else "the run ends"
+        return f"{at} {record.get('why')}: a last round, then {then}"
     if kind == "Shutdown":
         return f"{at} shutdown: {record.get('why')}"
     if kind == "AnchorChanged":
@@ -139,6 +140,8 @@ class RunView:
         self.policy: str | None = None
         self.training_started: float | None = None
         self.last_loss: float | None = None
+        self.window_loss: float | None = None
+        """The latest window's mean training loss over every rank's batches."""
         self.epoch_results: list[dict[str, Any]] = []
         self.recent: deque[str] = deque(maxlen=recent)
         self.records = 0
@@ -194,6 +197,13 @@ class RunView:
         # A window that trained nothing (the first round, which also waits for the first
         # group to form) says nothing of idling or averaging between batches.
         trained = any(facts.get("batches") for facts in ranks.values())
+        weighted = [
+            (float(f["loss"]), int(f.get("batches") or 0))
+            for f in ranks.values()
+            if f.get("loss") is not None
+        ]
+        if sum(n for _, n in weighted):
+            self.window_loss = sum(v * n for v, n in weighted) / sum(n for _, n in weighted)
         for key, facts in ranks.items():
             row = self._row(int(key))
             if row is None:
@@ -306,6 +316,7 @@ class RunView:
             "eta_s": self.eta_s(),
             "samples_per_s": sum(rates) if rates else None,
             "last_loss": self.last_loss,
+            "window_loss": self.window_loss,
             "ranks": rows,
             "recent": list(self.recent),
             "events": self.records,

@@ -83,9 +83,12 @@ def progress(state: Mapping[str, Any], width: int = 100) -> Table:
     text.append(eta_text(state), style="bold")
     text.append(f"  {_number(state.get('samples_per_s'))}", style="bold")
     text.append(" samples/s", style="dim")
-    if isinstance(state.get("last_loss"), int | float):
+    loss = state.get("window_loss")  # the latest window's, else the latest epoch's
+    if not isinstance(loss, int | float):
+        loss = state.get("last_loss")
+    if isinstance(loss, int | float):
         text.append("  loss ", style="dim")
-        text.append(f"{state['last_loss']:.4f}", style="bold")
+        text.append(f"{loss:.4f}", style="bold")
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)
     grid.add_column(no_wrap=True)

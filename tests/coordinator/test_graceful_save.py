@@ -1,8 +1,9 @@
-"""A stop with a save that was asked for (Ctrl-C, SIGTERM, a rank's Intent) waits for the
-averaging round in flight: ShutdownWithSave goes out once that round has settled, so no rank
-is stopped in the middle of a collective (which would strand its peers in it for the
-collective timeout). A round that does not settle goes out anyway after the heartbeat timeout.
-Real coordinator and channels, scripted ranks, MockClock."""
+"""A stop with a save that was asked for (Ctrl-C, SIGTERM, a rank's Intent) stops the training
+and waits for a last round: nothing more is handed out, the window in progress is trained, a
+last round averages it, and ShutdownWithSave goes out once that round has settled, so every
+rank saves the same model and none is stopped in the middle of a collective (which would
+strand its peers in it for the collective timeout). A save waited for past the heartbeat
+timeout goes out anyway. Real coordinator and channels, scripted ranks, MockClock."""
 
 from __future__ import annotations
 
@@ -37,7 +38,16 @@ def times_of(cluster: Cluster, kind: EventKind) -> list[float]:
     return [e.time for e in cluster.coordinator.timeline if e.kind is kind]
 
 
-async def test_a_stop_asked_for_mid_round_is_sent_once_the_round_settles(
+def assert_every_batch_averaged(cluster: Cluster) -> None:
+    """Every batch trained was in a round that settled before the save: the ranks saved one
+    model."""
+    trained = sum(rank.record.batches for rank in cluster.ranks)
+    starts = [e for e in cluster.coordinator.timeline if e.kind is EventKind.SYNC_START]
+    assert sum(sum(e.detail["steps"]) for e in starts) == trained
+    assert len(starts) == len(times_of(cluster, EventKind.SYNC_END))
+
+
+async def test_a_stop_asked_for_mid_round_saves_after_a_last_round(
     autojump_clock: MockClock,
 ) -> None:
     scripts = [RankScript(ms_per_batch=10, collective_ms=2000) for _ in range(3)]
@@ -45,7 +55,7 @@ async def test_a_stop_asked_for_mid_round_is_sent_once_the_round_settles(
         await round_started(cluster).wait()
         asked_at = trio.current_time()
         cluster.coordinator.request_stop(save=True)
-        assert not cluster.coordinator.machine.finished  # held for the round in flight
+        assert not cluster.coordinator.machine.finished  # held for the last round
         await cluster.coordinator.wait_finished()
         await cluster.wait_ranks_done()
     machine = cluster.coordinator.machine
@@ -54,9 +64,13 @@ async def test_a_stop_asked_for_mid_round_is_sent_once_the_round_settles(
         SaveReason.GRACEFUL,
     )
     assert machine.outcome.message == "stop requested"
+    (stop,) = [e for e in cluster.coordinator.timeline if e.kind is EventKind.STOP_REQUESTED]
+    assert stop.detail["save"] is True
     (saved_at,) = times_of(cluster, EventKind.SAVE_REQUESTED)
     last_round_end = max(times_of(cluster, EventKind.SYNC_END))
-    assert asked_at < last_round_end <= saved_at < asked_at + 2.1
+    # The round in flight (2 s), the rest of the window, then the last round (2 s).
+    assert asked_at + 2.0 < last_round_end == saved_at < asked_at + CONFIG.heartbeat_timeout
+    assert_every_batch_averaged(cluster)
     for scripted in cluster.ranks:
         assert isinstance(scripted.record.ended_by, ShutdownWithSave)
         assert scripted.record.abandoned == 0  # nobody left a collective half done
@@ -81,7 +95,9 @@ async def test_a_stop_held_for_a_round_that_never_settles_goes_out_after_the_hea
     assert all(isinstance(r.record.ended_by, ShutdownWithSave) for r in cluster.ranks)
 
 
-async def test_a_stop_asked_for_between_rounds_is_sent_at_once(autojump_clock: MockClock) -> None:
+async def test_a_stop_asked_for_between_rounds_saves_after_the_windows_last_round(
+    autojump_clock: MockClock,
+) -> None:
     scripts = [RankScript(ms_per_batch=10, collective_ms=1) for _ in range(2)]
     async with open_cluster(scripts, dataset_size=20_000, config=CONFIG) as cluster:
         ended = trio.Event()
@@ -92,11 +108,14 @@ async def test_a_stop_asked_for_between_rounds_is_sent_at_once(autojump_clock: M
 
         cluster.coordinator.add_event_sink(sink)
         await ended.wait()
+        asked_at = trio.current_time()
         cluster.coordinator.request_stop(save=True)
-        assert cluster.coordinator.machine.finished
+        assert not cluster.coordinator.machine.finished  # the window in progress is trained
+        await cluster.coordinator.wait_finished()
         await cluster.wait_ranks_done()
     (saved_at,) = times_of(cluster, EventKind.SAVE_REQUESTED)
-    assert saved_at == max(times_of(cluster, EventKind.SYNC_END))
+    assert saved_at == max(times_of(cluster, EventKind.SYNC_END)) > asked_at
+    assert_every_batch_averaged(cluster)
 
 
 async def test_a_saved_run_records_each_ranks_report_and_then_its_end(

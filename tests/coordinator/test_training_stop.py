@@ -86,3 +86,20 @@ async def test_a_second_stop_and_one_after_the_budget_change_nothing(
     assert len(events(cluster, EventKind.STOP_REQUESTED)) == 1
     assert cluster.coordinator.machine.outcome.message.startswith("rank 0 stopped the training")
     assert_ended_on_one_model(cluster)
+
+
+async def test_each_round_records_the_windows_mean_loss_per_rank(
+    autojump_clock: MockClock,
+) -> None:
+    # A scripted rank reports 1 / n as the loss of its n-th batch.
+    async with open_cluster([RankScript(ms_per_batch=10.0)], dataset_size=2_000) as cluster:
+        await cluster.coordinator.wait_finished()
+    ends = events(cluster, EventKind.SYNC_END)
+    trained = [e.detail["ranks"]["0"] for e in ends if e.detail["ranks"]["0"]["batches"]]
+    assert trained and ends[0].detail["ranks"]["0"]["loss"] is None
+    done = 0
+    for facts in trained:
+        n = facts["batches"]
+        expected = sum(1.0 / k for k in range(done + 1, done + n + 1)) / n
+        assert facts["loss"] == pytest.approx(expected)
+        done += n

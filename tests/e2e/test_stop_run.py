@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from flodl.checkpoint import find_latest, load_bundle
+from flodl.observe.events import read_events
+from flodl.observe.state import RunView
 from tests.worker.procs import DIGITS, pid_alive
 
 pytestmark = pytest.mark.slow
@@ -85,3 +87,16 @@ def test_max_time_ends_the_training_after_its_budget(tmp_path: Path) -> None:
     summary = flodl_run(run_dir, "--max-time", "3")
     assert summary["message"] == "the time budget (3 s of training) is spent"
     assert_one_model(run_dir)
+    # The summary's idle and averaging shares are the live table's: the run's events folded
+    # the same way give the same figures.
+    view = RunView(2)
+    for record in read_events(run_dir / "events.jsonl"):
+        view.apply(record)
+    for rank in (0, 1):
+        row = view.ranks[rank].to_json()
+        entry = summary["ranks"][rank]
+        assert row["idle_share"] is not None and row["averaging_share"] is not None
+        assert (entry["idle_share"], entry["averaging_share"]) == (
+            row["idle_share"],
+            row["averaging_share"],
+        )

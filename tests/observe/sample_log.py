@@ -15,6 +15,7 @@ def _rank(batches: int, ms: float, idle_ms: float, averaging_ms: float, div: flo
         "ms_per_batch": ms if batches else None,
         "samples_per_s": 16 * 1000.0 / ms if batches else None,
         "idle_ms": idle_ms,
+        "loss": 3.0 / (1 + batches) if batches else None,
         "averaging_ms": averaging_ms,
         "divergence": div,
         "pre_norm": 1.0,

@@ -298,3 +298,16 @@ def test_the_tensorboard_export_of_a_run_with_a_death(killed_run: Path) -> None:
     assert [e.wall_time for e in durations] == pytest.approx([r["unix"] for r in ends])
     last_of_victim = max(e.step for e in accumulator.Scalars(f"batches/rank{VICTIM}"))
     assert last_of_victim < max(e.step for e in accumulator.Scalars("batches/rank0"))
+
+
+def test_each_rounds_training_loss_is_the_batch_weighted_mean_over_its_ranks(
+    tmp_path: Path,
+) -> None:
+    from flodl.observe.history import load_history
+
+    write_log(tmp_path, records(death=False))
+    rounds = load_history(tmp_path).rounds
+    assert rounds[0].loss is None  # the first round trains nothing
+    # Round 2: ranks ran 10, 20 and 5 batches at mean losses 3/11, 3/21 and 3/6.
+    expected = (10 * 3 / 11 + 20 * 3 / 21 + 5 * 3 / 6) / 35
+    assert rounds[1].loss == pytest.approx(expected)

@@ -78,6 +78,9 @@ class Ending:
         """A Shutdown waits for the round in flight to settle."""
         self.held_save: tuple[SaveReason, str, float] | None = None
         """A save that waits for the round in flight: its reason, why, and until when."""
+        self.held_for_last_round = False
+        """The held save waits for the run's last round (the work was stopped), not for the
+        round in flight: every rank then saves the same model."""
         self.stop_saves: dict[int, CheckpointResult | None] = {}
         """After a save went out: each rank asked -> its report (None until it reports)."""
 
@@ -131,6 +134,13 @@ class Ending:
             self.held_save = (reason, why, now + self._settings.timeouts.heartbeat)
         return []
 
+    def save_after_last_round(self, reason: SaveReason, now: float, why: str) -> None:
+        """Hold the save until the run's last round settled (:meth:`release_save` once every
+        batch handed out is averaged), or :attr:`held_until` if that takes longer."""
+        if self.held_save is None:
+            self.held_save = (reason, why, now + self._settings.timeouts.heartbeat)
+            self.held_for_last_round = True
+
     @property
     def held_until(self) -> float | None:
         """When a held save goes out even though the round has not settled (None: none held)."""
@@ -140,11 +150,13 @@ class Ending:
         """Send the held save (none held, or the run already ended: nothing). ``settled``:
         the round settled; else the wait ran out, which the reason's text says."""
         held, self.held_save = self.held_save, None
+        last_round, self.held_for_last_round = self.held_for_last_round, False
         if held is None or self.over:
             return []
         reason, why, _until = held
         if not settled:
-            why += "; the round in flight had not settled within the heartbeat timeout"
+            waited = "the last round" if last_round else "the round in flight"
+            why += f"; {waited} had not settled within the heartbeat timeout"
         return self.save(reason, now, why)
 
     def shutdown(self, now: float, why: str) -> list[Broadcast]:

@@ -145,7 +145,8 @@ class CoordinatorMachine:
             self.stats,
             supervised=local_ranks == frozenset(range(world_size)),
         )
-        self.requests = ScriptRequests(settings.max_time, self.rounds, self.ending, self.timeline)
+        parts = (self.rounds, self.ending, self.membership, self.liveness, self.timeline)
+        self.requests = ScriptRequests(settings.max_time, *parts)
         self.losses = Losses(
             settings,
             self.formation,
@@ -283,7 +284,7 @@ class CoordinatorMachine:
         if self.finished:
             return []
         if save:
-            return list(self.ending.save_when_settled(SaveReason.GRACEFUL, now, "stop requested"))
+            return self._carry_out(self.requests.save_and_stop(now, "stop requested"), now)
         return list(self.ending.shutdown(now, "stop requested"))
 
     # --- events: messages -------------------------------------------------------------------
@@ -460,6 +461,8 @@ class CoordinatorMachine:
         if due is Due.ALL_DONE:
             # The trained model is saved before the ranks are let go.
             effects: list[Effect] = list(self.rounds.close_epochs(now))
+            if self.ending.held_for_last_round:  # a stop with a save: every rank saves now
+                return effects + self.ending.release_save(now, settled=True)
             saving = self.rounds.final_saves(now)
             if saving is not None:
                 return effects + saving
@@ -476,7 +479,7 @@ class CoordinatorMachine:
 
     def _round_settled(self, now: float) -> list[Effect]:
         effects: list[Effect] = list(self.rounds.settled(now))
-        if self.ending.held_save is not None:
+        if self.ending.held_save is not None and not self.ending.held_for_last_round:
             return effects + self.ending.release_save(now, settled=True)
         if self.ending.pending:
             return effects + self.ending.shutdown(now, "stop requested")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from flodl.core.coordinator.ending import Ending
 from flodl.core.coordinator.formation import Answer
+from flodl.core.coordinator.liveness import Liveness
+from flodl.core.coordinator.membership import Membership
 from flodl.core.coordinator.rounds import Rounds
 from flodl.core.coordinator.timeline import EventKind, Timeline
 from flodl.wire.messages import Intent, IntentKind, SaveReason
@@ -28,11 +30,19 @@ class ScriptRequests:
     budget runs out."""
 
     def __init__(
-        self, max_time: float | None, rounds: Rounds, ending: Ending, timeline: Timeline
+        self,
+        max_time: float | None,
+        rounds: Rounds,
+        ending: Ending,
+        membership: Membership,
+        liveness: Liveness,
+        timeline: Timeline,
     ) -> None:
         self._max_time = max_time
         self._rounds = rounds
         self._ending = ending
+        self._membership = membership
+        self._liveness = liveness
         self._timeline = timeline
         self.why: str | None = None
         """Why the training was stopped (None: it was not)."""
@@ -51,12 +61,28 @@ class ScriptRequests:
         if intent.kind is IntentKind.CHECKPOINT_NOW:
             self._rounds.request_checkpoint(rank)
         elif intent.kind is IntentKind.SAVE_AND_STOP:
-            why = f"rank {rank} asked to stop"
-            return Answer(list(self._ending.save_when_settled(SaveReason.GRACEFUL, now, why)))
+            return self.save_and_stop(now, f"rank {rank} asked to stop")
         elif intent.kind is IntentKind.STOP:
             why = f"rank {rank} stopped the training: {intent.reason or 'no reason given'}"
             return self.stop(now, why, rank)
         return Answer([])
+
+    def save_and_stop(self, now: float, why: str) -> Answer:
+        """End the run with a save (a signal, a rank's SAVE_AND_STOP). With every member of a
+        training group alive, the training stops first (as :meth:`stop`) and the save goes out
+        once a last round averaged every batch handed out, so every rank saves the same
+        model; if that takes past the heartbeat timeout, it goes out anyway. Otherwise the
+        save goes out once the round in flight settles."""
+        work = self._rounds.dispatch.work
+        members = self._membership.members
+        whole = bool(members) and all(self._liveness.is_alive(rank) for rank in members)
+        if work is None or not whole or self.why is not None:
+            return Answer(list(self._ending.save_when_settled(SaveReason.GRACEFUL, now, why)))
+        self.why = why
+        self._timeline.add(now, EventKind.STOP_REQUESTED, why=why, rank=None, save=True)
+        work.stop()
+        self._ending.save_after_last_round(SaveReason.GRACEFUL, now, why)
+        return Answer([], may_be_due=True)
 
     def on_tick(self, now: float) -> Answer:
         """Stop the training if the time budget has run out by ``now``."""
@@ -74,7 +100,7 @@ class ScriptRequests:
         if self.why is not None:
             return Answer([])
         self.why = why
-        self._timeline.add(now, EventKind.STOP_REQUESTED, why=why, rank=by)
+        self._timeline.add(now, EventKind.STOP_REQUESTED, why=why, rank=by, save=False)
         work = self._rounds.dispatch.work
         if work is None:
             return Answer(list(self._ending.shutdown(now, why)))

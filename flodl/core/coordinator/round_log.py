@@ -14,6 +14,7 @@ coordinator's clock, passed in; no I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,9 @@ class RankWindowFacts:
     """Wall time of its batches (compute and data loading) as it reported them."""
     last_report: float | None = None
     """When its last batch or completion frame of the window arrived."""
+    loss_sum: float = 0.0
+    losses: int = 0
+    """The finite batch losses of the window: their sum and count."""
 
 
 class RoundLog:
@@ -59,17 +63,22 @@ class RoundLog:
             facts = self._facts[rank] = RankWindowFacts()
         return facts
 
-    def on_batch(self, rank: int, wall_ms: float, now: float) -> None:
-        self.on_batches(rank, (wall_ms,), now)
+    def on_batch(self, rank: int, wall_ms: float, loss: float, now: float) -> None:
+        self.on_batches(rank, (wall_ms,), (loss,), now)
 
-    def on_batches(self, rank: int, walls_ms: Sequence[float], now: float) -> None:
-        """:meth:`on_batch` for each of ``walls_ms``, in order, all at ``now``."""
+    def on_batches(
+        self, rank: int, walls_ms: Sequence[float], losses: Sequence[float], now: float
+    ) -> None:
+        """:meth:`on_batch` for each of ``walls_ms`` (and its loss), in order, all at ``now``."""
         facts = self._of(rank)
         facts.batches += len(walls_ms)
         compute_ms = facts.compute_ms
         for wall_ms in walls_ms:  # in order: the same float sum as one report at a time
             compute_ms += wall_ms
         facts.compute_ms = compute_ms
+        finite = [loss for loss in losses if math.isfinite(loss)]
+        facts.loss_sum += sum(finite)
+        facts.losses += len(finite)
         facts.last_report = now
 
     def on_report(self, rank: int, now: float) -> None:
@@ -119,6 +128,7 @@ class RoundLog:
                 "ms_per_batch": ms_per_batch,
                 "samples_per_s": rate,
                 "idle_ms": idle_ms,
+                "loss": f.loss_sum / f.losses if f.losses else None,
             }
         self._round = {
             "round": round,

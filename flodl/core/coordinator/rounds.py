@@ -222,7 +222,7 @@ class Rounds:
     def on_batch(self, rank: int, batch: Batch, now: float) -> BatchSeen:
         """A member finished a batch."""
         out_of_work = self.dispatch.on_batch(rank, batch, now)
-        self.log.on_batch(rank, batch.batch_ms + batch.data_ms, now)
+        self.log.on_batch(rank, batch.batch_ms + batch.data_ms, batch.batch_loss, now)
         # A Batch never settles a round (only SyncAcks do), so there is nothing to settle here.
         self.cycle.on_batch(now, batch)
         throttles = list(self.cycle.throttle())
@@ -255,7 +255,7 @@ class Rounds:
         data_ms = batches.data_ms[start:stop]
         walls = [batch + data for batch, data in zip(batches_ms, data_ms, strict=True)]
         self.dispatch.on_batches(rank, batches_ms, walls, batches.batch_loss[start:stop], now)
-        self.log.on_batches(rank, walls, now)
+        self.log.on_batches(rank, walls, batches.batch_loss[start:stop], now)
         step_count = batches.step_count - len(batches.batch_ms) + stop
         self.cycle.on_batches(rank, count, step_count)
 
