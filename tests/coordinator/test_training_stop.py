@@ -56,8 +56,10 @@ async def test_the_time_budget_ends_the_run_with_a_last_round(
     (shutdown,) = events(cluster, EventKind.SHUTDOWN)
     assert stop.time < shutdown.time < stop.time + 2.0  # the rest of one window
     assert_ended_on_one_model(cluster)
-    # Far from every epoch: the untrained batches were left, not handed out.
+    # Far from every epoch: the untrained batches were left, not handed out, and a resume
+    # starts again at the epoch the stop cut short.
     assert sum(r.record.batches for r in cluster.ranks) < 50_000 // 10
+    assert machine.checkpoint_meta()["epoch"] == 0
 
 
 async def test_a_ranks_stop_ends_the_run_for_every_rank(autojump_clock: MockClock) -> None:

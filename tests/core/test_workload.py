@@ -90,3 +90,17 @@ def test_every_sample_of_every_epoch_is_handed_out_exactly_once(
     assert work.exhausted
     assert set(handed.values()) == {1}
     assert len(handed) == epochs * batches * 3
+
+
+def test_a_stopped_workload_hands_out_nothing_more_and_is_done_once_trained() -> None:
+    work = Workload(dataset_size=100, batch_size=10, epochs=3)
+    sent = work.dispatch_window({0: 4, 1: 2})
+    assert sum(span_batches(m, 10) for _, m in sent) == 6
+    work.stop()
+    assert work.exhausted and not work.done  # what was handed out is still to be trained
+    assert work.dispatch_window({0: 4, 1: 2}) == []
+    for rank, count in ((0, 4), (1, 2)):
+        work.complete_many(rank, count)
+    assert work.done
+    (pool,) = work.pop_finished()
+    assert pool.epoch == 0 and work.current_epoch == 0  # the epoch it cut short

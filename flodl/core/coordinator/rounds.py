@@ -149,10 +149,11 @@ class Rounds:
 
     def position(self) -> dict[str, int]:
         """Where training stands, for a checkpoint: the epoch running (once all are done,
-        their number, so a resumed run starts with the first epoch it adds), global step and
-        round."""
+        their number, so a resumed run starts with the first epoch it adds; after a stop, the
+        epoch it cut short, which a resumed run trains again), global step and round."""
         work = self.dispatch.work
-        epoch = 0 if work is None else work.epochs if work.done else work.current_epoch
+        finished = work is not None and work.done and not work.stopped
+        epoch = 0 if work is None else work.epochs if finished else work.current_epoch
         return {
             "epoch": epoch,
             "global_step": self.cycle.global_step,
