@@ -51,6 +51,11 @@ def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         check_at_least("--keep-checkpoints", args.keep_checkpoints, 1)
     if args.relax_up and args.policy == Policy.SYNC.value:
         raise ConfigError("--relax-up grows cadence windows; --policy sync has none")
+    if args.average_dtype != "fp32" and args.policy == Policy.ASYNC.value:
+        raise ConfigError(
+            f"--average-dtype {args.average_dtype} needs --policy sync or cadence (async "
+            "rounds blend a snapshot, which compressed rounds do not take)"
+        )
     check_at_least("--seed", args.seed, 0)
     if args.min_ranks is not None:
         check_at_least("--min-ranks", args.min_ranks, 1)

@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from flodl.averaging.dtypes import AVERAGE_DTYPE_NAMES
 from flodl.averaging.outer import OuterKind, OuterSettings
 from flodl.core.cadence.guards import GuardKind
 from flodl.core.common.policy import Policy
@@ -115,6 +116,14 @@ def check_outer_kind(flag: str, value: str) -> str:
     """``value`` if it names an outer optimizer; ConfigError naming ``flag``."""
     if value not in OUTER_KINDS:
         raise ConfigError(f"{flag} must be one of {', '.join(OUTER_KINDS)}, got {value!r}")
+    return value
+
+
+def check_average_dtype(flag: str, value: str) -> str:
+    """``value`` if it names a dtype rounds can reduce in; ConfigError naming ``flag``."""
+    if value not in AVERAGE_DTYPE_NAMES:
+        names = ", ".join(AVERAGE_DTYPE_NAMES)
+        raise ConfigError(f"{flag} must be one of {names}, got {value!r}")
     return value
 
 
@@ -311,6 +320,19 @@ class CoordinatorConfig:
         ),
     )
     """Seconds of training after which the run stops as ``rank.stop()`` does (None: none)."""
+    average_dtype: str = setting(
+        "fp32",
+        check_average_dtype,
+        flag=Flag(
+            "--average-dtype",
+            str,
+            metavar="{" + ",".join(AVERAGE_DTYPE_NAMES) + "}",
+            help="reduce each round's moves in 16 bits (bf16, fp16: half the bytes of a "
+            "round) or in full precision (fp32, the default); sync and cadence only",
+        ),
+    )
+    """``bf16``/``fp16``: a round sends each rank's moves since the last round in 16 bits
+    (:mod:`flodl.backends.compressed`); costs one more copy of the parameters per rank."""
     outer: str = setting(
         "none",
         check_outer_kind,
@@ -339,6 +361,11 @@ class CoordinatorConfig:
     )
 
     def __attrs_post_init__(self) -> None:
+        if self.average_dtype != "fp32" and self.policy is Policy.ASYNC:
+            raise ConfigError(
+                f"average_dtype {self.average_dtype} needs policy sync or cadence (async "
+                "rounds blend a snapshot, which compressed rounds do not take)"
+            )
         if self.max_anchor < self.anchor:
             raise ConfigError(f"max_anchor ({self.max_anchor}) < anchor ({self.anchor})")
         if self.relax_up and self.policy is Policy.SYNC:

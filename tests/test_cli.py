@@ -48,6 +48,14 @@ def script(tmp_path: Path) -> Path:
         (["--outer-momentum", "1"], "--outer-momentum must be a number in [0, 1), got 1.0"),
         (["--outer-momentum", "-0.1"], "--outer-momentum must be a number in [0, 1), got -0.1"),
         (["--outer", "adam"], "--outer must be one of none, nesterov, got 'adam'"),
+        (
+            ["--average-dtype", "int8"],
+            "--average-dtype must be one of fp32, bf16, fp16, got 'int8'",
+        ),
+        (
+            ["--average-dtype", "bf16", "--policy", "async"],
+            "--average-dtype bf16 needs --policy sync or cadence",
+        ),
     ],
 )
 def test_run_refuses_a_bad_flag_by_its_name(

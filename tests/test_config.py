@@ -49,6 +49,7 @@ TYPED = {
     "checkpoint_every": ("5", 5),
     "checkpoint_every_epochs": ("1", 1),
     "max_anchor": ("40", 40),
+    "average_dtype": ("bf16", "bf16"),
     "max_time": ("120", 120.0),
     "outer": ("nesterov", "nesterov"),
     "outer_lr": ("0.5", 0.5),

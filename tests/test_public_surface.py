@@ -260,6 +260,7 @@ TOP_LEVEL_FLAGS = ["--help", "-h"]
 CLI_FLAGS = {
     "coordinator": [
         "--anchor",
+        "--average-dtype",
         "--backend",
         "--checkpoint-every",
         "--checkpoint-every-epochs",
@@ -292,6 +293,7 @@ CLI_FLAGS = {
     "report": ["--help", "--tensorboard", "-h"],
     "run": [
         "--anchor",
+        "--average-dtype",
         "--backend",
         "--checkpoint-every",
         "--checkpoint-every-epochs",

@@ -109,6 +109,18 @@ class Backend(Protocol):
         """Average with every member now, overwriting the live tensors on success."""
         ...
 
+    async def average_moves(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        reference: Sequence[torch.Tensor],
+        batches: int,
+        dtype: torch.dtype,
+    ) -> AverageResult:
+        """Average with every member through the moves from ``reference`` (which every
+        member holds bit for bit), reduced in ``dtype``; live tensors overwritten on success."""
+        ...
+
     async def share_newest(self, tensors: Sequence[torch.Tensor], version: int) -> int:
         """Make ``tensors`` equal on every member to those of the member holding the highest
         ``version``; return that version (every member calls it at the same point)."""

@@ -36,6 +36,7 @@ from flodl.averaging.mass import (
     pack,
 )
 from flodl.backends.base import DEFAULT_ALPHA, AverageResult
+from flodl.backends.compressed import LandedMoves, average_moves
 from flodl.backends.generations import Comm as Comm  # the communicator subclasses build
 from flodl.backends.generations import Generation, Generations, Ticket
 from flodl.backends.pipeline import (
@@ -279,6 +280,31 @@ class TorchDistBackend:
             self._pool.give_back(scratch)
         assert landed.applied is not None
         return _result(landed.applied, landed.reduced, landed.skipped)
+
+    async def average_moves(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        reference: Sequence[torch.Tensor],
+        batches: int,
+        dtype: torch.dtype,
+    ) -> AverageResult:
+        """Average with every member through the moves from ``reference`` (the same bytes on
+        every member), reduced in ``dtype`` (:func:`~flodl.backends.compressed.average_moves`):
+        live tensors overwritten on success. Cancelled: the group is broken and
+        ``trio.Cancelled`` propagates; failed: :class:`CollectiveAborted`. Either way the live
+        tensors are untouched."""
+        async with self._lock:
+            gen = self._groups.live()
+
+            def work(comm: Comm, ticket: Ticket) -> LandedMoves:
+                abandoned = lambda: ticket.abandoned  # noqa: E731
+                return average_moves(comm, params, buffers, reference, batches, dtype, abandoned)
+
+            landed = await self._groups.run(gen, work)
+        if not landed.result.skipped:  # not abandonable: once landed, installed whole
+            await trio.to_thread.run_sync(landed.install, params, buffers)
+        return landed.result
 
     async def share_newest(self, tensors: Sequence[torch.Tensor], version: int) -> int:
         """Make ``tensors`` equal on every member to those of the member holding the highest

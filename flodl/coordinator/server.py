@@ -123,6 +123,7 @@ class Coordinator:
             outer=config.outer,
             outer_lr=config.outer_lr,
             outer_momentum=config.outer_momentum,
+            average_dtype=config.average_dtype,
         )
         """Sent to each rank first: the settings a worker takes from its coordinator."""
         self._sinks: list[EventSink] = []

@@ -206,7 +206,8 @@ class RunSettings(Message):
     """The run's settings, the coordinator's first message to each rank it admits: a worker
     takes them where it was told nothing, and refuses to run where it was told otherwise.
     ``backend`` None and ``keep_checkpoints`` 0: the rank's own choice. ``outer*``: the
-    outer optimizer every rank applies to each round's average (never the rank's choice)."""
+    outer optimizer every rank applies to each round's average, ``average_dtype`` what rounds
+    reduce in (never the rank's choice)."""
 
     TAG: ClassVar[int] = 16
     policy: str = text()
@@ -218,6 +219,7 @@ class RunSettings(Message):
     outer: str = text(default="none")
     outer_lr: float = f64(default=0.7)
     outer_momentum: float = f64(default=0.9)
+    average_dtype: str = text(default="fp32")
 
 
 # --- rank -> coordinator (tags 64..127) -----------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from flodl.averaging.dtypes import AVERAGE_DTYPE_NAMES
 from flodl.averaging.outer import OuterSettings
 from flodl.backends import BACKEND_NAMES
 from flodl.core.common.policy import Policy
@@ -47,6 +48,10 @@ class WorkerConfig:
     """None: ``max(30, 2 x heartbeat_timeout)`` (see :attr:`collective_timeout`)."""
     resume: Path | None = None
     debug_param_hashes: bool = False
+    average_dtype: str = "fp32"
+    """What rounds reduce in (``fp32``, ``bf16``, ``fp16``; :mod:`flodl.backends.compressed`);
+    always the coordinator's, from its RunSettings, when the config was read from an
+    environment."""
     outer: OuterSettings = attrs.field(factory=OuterSettings)
     """The outer optimizer (:mod:`flodl.averaging.outer`); always the coordinator's, from its
     RunSettings, when the config was read from an environment."""
@@ -67,6 +72,10 @@ class WorkerConfig:
             )
         if self.backend not in BACKEND_NAMES:
             raise ConfigError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
+        if self.average_dtype not in AVERAGE_DTYPE_NAMES:
+            raise ConfigError(
+                f"average_dtype must be one of {AVERAGE_DTYPE_NAMES}, got {self.average_dtype!r}"
+            )
         if not self.heartbeat_timeout > 0 or not self.heartbeat_interval > 0:
             raise ConfigError("heartbeat interval and timeout must be > 0")
         if self.heartbeat_interval >= self.heartbeat_timeout:

@@ -47,13 +47,16 @@ class RoundRunner:
         perform: Callable[[list[RankEffect]], None],
         *,
         outer: OuterOptimizer | None = None,
+        average_dtype: torch.dtype | None = None,
         record_hashes: bool = False,
     ) -> None:
         """``changed()`` gives an event set at the next change worth re-checking (a group
         joined, the rank ending or lost); ``perform`` carries out reactions that arrive outside a
         boundary (a background round landed). With ``record_hashes``, a digest of the averaged
         tensors is kept in :attr:`param_hashes` after every round. ``outer``: the outer
-        optimizer each landed average goes through (None: plain averaging)."""
+        optimizer each landed average goes through (None: plain averaging). ``average_dtype``:
+        rounds reduce the moves since the last round in this dtype
+        (:mod:`flodl.backends.compressed`; None: full precision)."""
         self._machine = machine
         self._backend = backend
         self._membership = membership
@@ -64,9 +67,15 @@ class RoundRunner:
         self.outer = outer if outer is not None else OuterOptimizer(OuterSettings())
         self._outer_generation: int | None = None
         """The group generation whose members last made the outer state equal."""
+        self._average_dtype = average_dtype
+        self._reference: list[torch.Tensor] = []
+        """With ``average_dtype``: the parameters the last round left, the same bytes on every
+        member of :attr:`_reference_generation` (compressed rounds send the moves from them)."""
+        self._reference_generation: int | None = None
         self.param_hashes: list[dict[str, Any]] = []
-        """With ``record_hashes``: ``{round, generation, sha256}`` after each average, and the
-        outer state's ``outer_sha256`` and ``outer_version`` when it is active."""
+        """With ``record_hashes``: ``{round, generation, sha256}`` after each average, the
+        outer state's ``outer_sha256`` and ``outer_version`` when it is active, and
+        ``compressed`` for a round that reduced 16-bit moves."""
         self._collective: trio.CancelScope | None = None
         self._pending: PendingAverage | None = None
         self._pending_sync: SyncNow | None = None
@@ -121,10 +130,18 @@ class RoundRunner:
         if background:
             return await self._start_background(sync, params, buffers, weight, nursery)
         result: AverageResult | None = None
+        # A compressed round needs a reference every member holds: one a round of this group
+        # generation left (the first round of a generation runs in full precision and sets it).
+        dtype = self._average_dtype if self._reference_generation == sync.generation else None
         with trio.CancelScope() as scope:
             self._collective = scope
             try:
-                result = await self._backend.average(params, buffers, weight)
+                if dtype is None:
+                    result = await self._backend.average(params, buffers, weight)
+                else:
+                    result = await self._backend.average_moves(
+                        params, buffers, self._reference, weight, dtype
+                    )
             except BackendError as err:
                 log.warning("rank %d: round %d failed: %s", machine.rank, sync.round, err)
             finally:
@@ -135,8 +152,25 @@ class RoundRunner:
             if not result.skipped and self.outer.active:
                 with trio.CancelScope(shield=True):  # every member steps once per round
                     await trio.to_thread.run_sync(self.outer.step, params)
-            self._record(sync)
+            if not result.skipped and self._average_dtype is not None:
+                self._keep_reference(params, sync.generation)
+            self._record(sync, compressed=dtype is not None)
+        else:
+            self._reference_generation = None  # this rank's parameters may differ now
         return machine.average_finished(sync, result, trio.current_time() - started)
+
+    def _keep_reference(self, params: list[torch.Tensor], generation: int) -> None:
+        """The parameters a round just left, the same bytes on every member: the reference
+        of the next compressed round."""
+        import torch
+
+        with torch.no_grad():
+            if [r.shape for r in self._reference] != [p.shape for p in params]:
+                self._reference = [p.detach().clone() for p in params]
+            else:
+                for reference, p in zip(self._reference, params, strict=True):
+                    reference.copy_(p)
+        self._reference_generation = generation
 
     async def _share_outer(self, sync: SyncNow, params: list[torch.Tensor]) -> bool:
         """At the first round of each group generation, make the outer state equal on every
@@ -213,11 +247,13 @@ class RoundRunner:
             self._record(sync)
         return self._machine.blend_finished(result, trio.current_time() - started)
 
-    def _record(self, sync: SyncNow) -> None:
+    def _record(self, sync: SyncNow, *, compressed: bool = False) -> None:
         if self._record_hashes:
             params, buffers = self._tensors()
             digest = tensors_sha256([*params, *buffers])
             entry = {"round": sync.round, "generation": sync.generation, "sha256": digest}
+            if compressed:
+                entry["compressed"] = True
             if self.outer.active:
                 entry["outer_sha256"] = tensors_sha256(self.outer.tensors())
                 entry["outer_version"] = self.outer.version

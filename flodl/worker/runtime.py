@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from flodl.averaging.dtypes import reduce_dtype
 from flodl.averaging.outer import OuterOptimizer
 from flodl.core.common.job import Job
 from flodl.core.common.work import BatchSlice, EpochOrders
@@ -130,6 +131,7 @@ class Worker:
             self._wakeup.event,
             self._perform,
             outer=self.outer,
+            average_dtype=reduce_dtype(config.average_dtype),
             record_hashes=config.debug_param_hashes,
         )
 

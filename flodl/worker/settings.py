@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import trio
 
+from flodl.averaging.dtypes import AVERAGE_DTYPE_NAMES
 from flodl.averaging.outer import OuterSettings
 from flodl.core.common.policy import Policy
 from flodl.errors import ConfigError, CoordinatorError
@@ -46,6 +47,11 @@ def _theirs(settings: RunSettings) -> dict[str, Any]:
         "heartbeat_interval": settings.heartbeat_interval,
         "heartbeat_timeout": settings.heartbeat_timeout,
     }
+    if settings.average_dtype not in AVERAGE_DTYPE_NAMES:
+        raise CoordinatorError(
+            f"the coordinator sent an unknown average dtype {settings.average_dtype!r}"
+        )
+    values["average_dtype"] = settings.average_dtype
     try:
         values["outer"] = OuterSettings(settings.outer, settings.outer_lr, settings.outer_momentum)
     except (ConfigError, ValueError) as err:

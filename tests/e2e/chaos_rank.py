@@ -222,6 +222,16 @@ class ChaosBackend:
     ) -> PendingAverage:
         return await self.inner.start_background_average(nursery, params, buffers, batches, gamma)
 
+    async def average_moves(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        reference: Sequence[torch.Tensor],
+        batches: int,
+        dtype: torch.dtype,
+    ) -> AverageResult:
+        return await self.inner.average_moves(params, buffers, reference, batches, dtype)
+
     async def share_newest(self, tensors: Sequence[torch.Tensor], version: int) -> int:
         return await self.inner.share_newest(tensors, version)
 
