@@ -19,6 +19,10 @@ alike, with a 1-element all-reduce barrier before each:
 * ``flodl_no_verify``: the same with ``backend.verify = False``;
 * ``flodl_sampled``: ``flodl`` with ``backend.norm_sample = NormSample()`` (the divergence
   norms from a fixed 1/16 of each large parameter; opt-in, see docs/benchmarks.md (a));
+* ``flodl_bf16``: ``await backend.average_moves(...)`` in bf16 (``--average-dtype bf16``):
+  each rank's move from a reference every rank holds, reduced in 16 bits
+  (:mod:`flodl.backends.compressed`); ``round_bytes`` gives the bytes each kind of round
+  reduces;
 * ``copy_floor``: only what any round that keeps the live tensors out of the collective must
   do: the mass-weighted copy into a scratch buffer, bucket by bucket, each bucket's SUM
   all-reduce started as soon as it is packed (the same buckets as flodl's), then the wait for
@@ -60,7 +64,15 @@ from flodl.backends.group import GroupInfo, connect_store, host_store
 from flodl.backends.pipeline import BucketPlan, ScratchPool, _source, install, members
 
 HERE = Path(__file__).resolve()
-VARIANTS = ("bare", "copy_floor", "flodl", "flodl_no_verify", "flodl_sampled", "stages")
+VARIANTS = (
+    "bare",
+    "copy_floor",
+    "flodl",
+    "flodl_no_verify",
+    "flodl_sampled",
+    "flodl_bf16",
+    "stages",
+)
 STAGES = ("sums", "share", "allreduce", "checksum", "verify_allreduce", "gap", "install")
 
 
@@ -199,6 +211,14 @@ async def rank_main(
         fn()
         return time.perf_counter() - started
 
+    reference = [p.detach().clone() for p in params]  # the same model on every rank
+
+    async def bf16_round() -> float:
+        bare.barrier()
+        started = time.perf_counter()
+        await backend.average_moves(params, buffers, reference, batches, torch.bfloat16)
+        return time.perf_counter() - started
+
     async def flodl_round(verify: bool, sample: NormSample | None = None) -> float:
         backend.verify, backend.norm_sample = verify, sample
         bare.barrier()
@@ -222,6 +242,8 @@ async def rank_main(
                     row["flodl_no_verify"] = await flodl_round(False)
                 elif variant == "flodl_sampled":
                     row["flodl_sampled"] = await flodl_round(True, NormSample())
+                elif variant == "flodl_bf16":
+                    row["flodl_bf16"] = await bf16_round()
                 else:
                     bare.barrier()
                     row.update(staged.round(bare, params, buffers, batches))
@@ -233,9 +255,16 @@ async def rank_main(
     finally:
         await backend.close()
         bare.pg = None
+    floats = sum(b.numel() for b in buffers if b.is_floating_point())
     return {
         "parameters": sum(p.numel() for p in params),
         "flat_elements": layout.total,
+        # What each kind of round all-reduces: the flat float32 buffer; the moves in bf16
+        # plus the float buffers in float64 and the two float64 sums.
+        "round_bytes": {
+            "fp32": 4 * layout.total,
+            "bf16": 2 * sum(p.numel() for p in params) + 8 * floats + 16,
+        },
         "rows": rows,
     }
 
@@ -264,6 +293,8 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
             statistics.median(r["flodl"] / r["copy_floor"] for r in rows), 3
         ),
         "flodl_round_sampled_ms": median_ms("flodl_sampled"),
+        "flodl_round_bf16_ms": median_ms("flodl_bf16"),
+        "bf16_round_ratio": round(statistics.median(r["flodl_bf16"] / r["flodl"] for r in rows), 3),
         "overhead_ratio_over_floor_sampled": round(
             statistics.median(r["flodl_sampled"] / r["copy_floor"] for r in rows), 3
         ),
@@ -310,6 +341,7 @@ def run_overhead(
         "model": f"{layers} x Linear({width}, {width}) + BatchNorm1d({width})",
         "parameters": data["parameters"],
         "flat_elements": data["flat_elements"],
+        "round_bytes": data["round_bytes"],
         "warmup": warmup,
         **summarize(data["rows"]),
     }

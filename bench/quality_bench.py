@@ -162,6 +162,12 @@ VARIANTS: tuple[Variant, ...] = (
         ),
         "flodl cadence, outer Nesterov lr 1, momentum 0.5",
     ),
+    Variant(
+        "cadence+bf16",
+        "flodl",
+        ("--policy", "cadence", "--average-dtype", "bf16"),
+        "flodl cadence, rounds reduce 16-bit moves (half the bytes)",
+    ),
     Variant("torchft-localsgd", "torchft", description="torchft LocalSGD (peer)"),
     Variant("torchft-diloco", "torchft", description="torchft DiLoCo (peer)"),
 )

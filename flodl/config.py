@@ -265,6 +265,19 @@ class CoordinatorConfig:
     )
     """A window holds at most this many epochs' batches (floDl: 1). None: no cap. Raise it for
     small data sets, where one epoch is too short to amortise an averaging round."""
+    window_cap_s: float | None = setting(
+        None,
+        optional(check_seconds),
+        flag=Flag(
+            "--window-cap-s",
+            float,
+            metavar="S",
+            help="cadence/async: no rank's window takes longer than S seconds at its measured "
+            "speed (its count is trimmed), so rounds come at least every S seconds",
+        ),
+    )
+    """Each rank's count is trimmed so its window takes at most this many seconds at its
+    measured speed (None: no cap): a bound on how long ranks train apart."""
     fill_idle_ranks: bool = setting(True)
     """Cadence: a rank that has run its count while others still work is given the batches that
     fit in the time they still need, rather than waiting at the barrier (beyond floDl, whose

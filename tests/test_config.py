@@ -50,6 +50,7 @@ TYPED = {
     "checkpoint_every_epochs": ("1", 1),
     "max_anchor": ("40", 40),
     "average_dtype": ("bf16", "bf16"),
+    "window_cap_s": ("2.5", 2.5),
     "max_time": ("120", 120.0),
     "outer": ("nesterov", "nesterov"),
     "outer_lr": ("0.5", 0.5),

@@ -287,6 +287,7 @@ CLI_FLAGS = {
         "--seed",
         "--stall-ceiling",
         "--window-cap-epochs",
+        "--window-cap-s",
         "--world-size",
         "-h",
     ],
@@ -325,6 +326,7 @@ CLI_FLAGS = {
         "--stall-ceiling",
         "--transport",
         "--window-cap-epochs",
+        "--window-cap-s",
         "-h",
     ],
     "worker": [

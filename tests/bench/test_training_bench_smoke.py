@@ -66,6 +66,7 @@ def test_window_and_overhead_summary() -> None:
             "flodl": 0.020,
             "flodl_no_verify": 0.015,
             "flodl_sampled": 0.013,
+            "flodl_bf16": 0.010,
             **stages,
         },
         {
@@ -74,6 +75,7 @@ def test_window_and_overhead_summary() -> None:
             "flodl": 0.030,
             "flodl_no_verify": 0.012,
             "flodl_sampled": 0.015,
+            "flodl_bf16": 0.015,
             **stages,
         },
         {
@@ -82,6 +84,7 @@ def test_window_and_overhead_summary() -> None:
             "flodl": 0.030,
             "flodl_no_verify": 0.020,
             "flodl_sampled": 0.024,
+            "flodl_bf16": 0.015,
             **stages,
         },
     ]
@@ -94,6 +97,7 @@ def test_window_and_overhead_summary() -> None:
     assert summary["copy_floor_ratio"] == 1.2  # 1.2, 1.5, 1.2
     assert summary["overhead_ratio_over_floor"] == 1.667  # 1.667, 2, 1.25
     assert summary["overhead_ratio_over_floor_sampled"] == 1.0  # 1.083, 1, 1
+    assert summary["bf16_round_ratio"] == 0.5  # 0.5, 0.5, 0.5
 
 
 def test_quick_run_writes_the_results(tmp_path: Path) -> None:

@@ -101,7 +101,17 @@ class Pacing:
         cap_epochs = self._settings.cadence.window_cap_epochs
         if self.feeds and cap_epochs is not None:
             self.elche.set_max_total_batches(max(int(epoch_batches * cap_epochs), 1))
-        return self.counts(members)
+        counts = self.counts(members)
+        cap_s = self._settings.cadence.window_cap_s
+        if self.feeds and cap_s is not None:
+            # Each rank's window takes at most cap_s at its measured speed (ranks not timed
+            # yet keep ElChe's count); the counts stay in ElChe's proportions.
+            ms = self.ms_per_batch()
+            counts = {
+                rank: min(count, max(int(cap_s * 1000.0 / ms[rank]), 1)) if rank in ms else count
+                for rank, count in counts.items()
+            }
+        return counts
 
     def ms_per_batch(self) -> dict[int, float]:
         """ElChe's time per batch of each timed member (global rank -> ms)."""

@@ -39,6 +39,9 @@ class CadenceSettings:
     """Grow the anchor by one after every Stable verdict."""
     window_cap_epochs: float | None
     """A window holds at most this many epochs' batches (None: no cap)."""
+    window_cap_s: float | None
+    """A window takes each rank at most this many seconds at its measured speed (None: no
+    cap)."""
     fill_idle_ranks: bool
     """Cadence: hand a rank that ran its count the batches that fit while others still work."""
 
