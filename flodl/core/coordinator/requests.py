@@ -8,8 +8,9 @@ A stop ends the run as a completed one, not a saved one: nothing more is handed 
 batches not yet handed out are left untrained), the batches handed out are finished, a last
 round averages them, and the run ends as when every epoch is done (the final bundles, then
 ``Shutdown``), so every rank ends with the same model. The time budget counts from the moment
-training started (the first group formed), so start-up is not spent from it. Pure: no clocks,
-no I/O.
+training started (the first group formed), so start-up is not spent from it. A stop with a
+save (a signal, ``Intent(SAVE_AND_STOP)``) takes the same path while every member is alive, and
+ends with ``ShutdownWithSave`` after the last round instead. Pure: no clocks, no I/O.
 """
 
 from __future__ import annotations
