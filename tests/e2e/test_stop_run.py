@@ -78,7 +78,8 @@ def test_a_script_that_reaches_its_target_stops_every_rank(tmp_path: Path) -> No
     assert summary["message"].startswith("rank 0 stopped the training: test accuracy 0.9")
     assert_one_model(run_dir)
     reported = json.loads((run_dir / "rank0.json").read_text())
-    assert reported["final_metrics"]["test_accuracy"] >= 0.85  # one window after the target
+    # The shared model after the last round (rank 0 checked its own at the epoch's start).
+    assert reported["final_metrics"]["test_accuracy"] >= 0.8
 
 
 def test_max_time_ends_the_training_after_its_budget(tmp_path: Path) -> None:

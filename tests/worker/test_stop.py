@@ -100,7 +100,9 @@ async def test_a_scripts_stop_ends_every_rank_with_one_model(
     assert outcome.status is Status.COMPLETED, outcome
     assert outcome.message == "rank 1 stopped the training: the target loss is reached"
     assert_one_model(tmp_path, reports, models)
-    assert reports[1]["final_metrics"]["batches"] < 60  # the rest of a window at most
+    # The stop ended the run within a window or two, far from its 50 epochs (51,200 batches).
+    trained = sum(r["final_metrics"]["batches"] for r in reports)
+    assert trained < 1_000, trained
 
 
 async def test_the_time_budget_ends_every_rank_with_one_model(tmp_path: Path) -> None:
