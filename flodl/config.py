@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 
 from flodl.averaging.dtypes import AVERAGE_DTYPE_NAMES
-from flodl.averaging.outer import OuterKind, OuterSettings
+from flodl.averaging.outer import OuterKind
 from flodl.core.cadence.guards import GuardKind
 from flodl.core.common.policy import Policy
 from flodl.core.coordinator.cycle import default_reduce_stall_ceiling
@@ -388,11 +388,6 @@ class CoordinatorConfig:
                 f"heartbeat_interval ({self.heartbeat_interval} s) must be below "
                 f"heartbeat_timeout ({self.heartbeat_timeout} s)"
             )
-
-    @property
-    def outer_settings(self) -> OuterSettings:
-        """The outer optimizer the ranks run (sent to them in RunSettings)."""
-        return OuterSettings(self.outer, self.outer_lr, self.outer_momentum)
 
     @property
     def stall_ceiling(self) -> float:
