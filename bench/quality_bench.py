@@ -168,6 +168,12 @@ VARIANTS: tuple[Variant, ...] = (
         ("--policy", "cadence", "--average-dtype", "bf16"),
         "flodl cadence, rounds reduce 16-bit moves (half the bytes)",
     ),
+    Variant(
+        "cadence+cap1s",
+        "flodl",
+        ("--policy", "cadence", "--window-cap-s", "1"),
+        "flodl cadence, no window longer than 1 s",
+    ),
     Variant("torchft-localsgd", "torchft", description="torchft LocalSGD (peer)"),
     Variant("torchft-diloco", "torchft", description="torchft DiLoCo (peer)"),
 )
