@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from quality_procs import Processes
+from quality_procs import Processes, wait_for_exits
 from quality_task import (
     BudgetClock,
     RunSpec,
@@ -134,19 +134,21 @@ def wait_for_result(processes: Processes, spec: RunSpec, what: str) -> dict[str,
     """
     keeper = processes.children[0]
     deadline = time.monotonic() + deadline_s(spec)
-    while True:
-        written = spec.result_path.exists()
-        if written and keeper.poll() is not None:
-            result: dict[str, Any] = json.loads(spec.result_path.read_text())
-            return result
+    while keeper.poll() is None:
         failed = [(i, c.returncode) for i, c in enumerate(processes.children) if c.poll()]
-        if failed and not written:
+        if failed and not spec.result_path.exists():
             raise RuntimeError(f"{what}: processes failed {failed}\n{processes.tail()}")
-        if time.monotonic() > deadline:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
             raise RuntimeError(
                 f"{what}: no result after {deadline_s(spec):.0f} s\n{processes.tail()}"
             )
-        time.sleep(0.05)
+        running = [c.pid for c in processes.children if c.poll() is None]
+        wait_for_exits(running, remaining, every=False)  # wakes at the next exit
+    if not spec.result_path.exists():
+        raise RuntimeError(f"{what}: exited {keeper.returncode} with no result\n{processes.tail()}")
+    result: dict[str, Any] = json.loads(spec.result_path.read_text())
+    return result
 
 
 def run_solo(spec: RunSpec, folder: Path) -> dict[str, Any]:

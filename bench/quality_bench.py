@@ -91,8 +91,6 @@ RESULTS = HERE / "results" / "quality.json"
 PLOT = HERE.parent / "docs" / "images" / "quality.png"
 QUALITY_RANK = HERE / "quality_rank.py"
 SLOW_FACTOR = 2.5
-STOP_GRACE_S = 60.0
-"""Seconds a flodl run gets to save and exit once rank 0 has written its result."""
 NESTEROV = ("--outer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9")
 
 
@@ -268,16 +266,10 @@ def run_flodl(variant: Variant, spec: RunSpec, nproc: int, folder: Path) -> dict
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with Processes() as processes:
         launcher = processes.start(command, folder / "launcher.log", env)
-        deadline = time.monotonic() + deadline_s(spec)
-        written_at: float | None = None
-        while launcher.poll() is None:
-            now = time.monotonic()
-            if written_at is None and spec.result_path.exists():
-                written_at = now
-            if now > deadline or (written_at is not None and now - written_at > STOP_GRACE_S):
-                stop_launcher(launcher)
-                break
-            time.sleep(0.1)
+        try:
+            launcher.wait(timeout=deadline_s(spec))  # rank 0's rank.stop() ends the run
+        except subprocess.TimeoutExpired:
+            stop_launcher(launcher)
         processes.adopt(pids_in(Path(spec.result_dir)))
     if not spec.result_path.exists():
         logs = "\n".join(

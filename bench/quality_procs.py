@@ -11,6 +11,7 @@ gone or zombie one, so the bench can check that none it started is left.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import time
@@ -18,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["Processes", "alive", "kill_group", "pids_in"]
+__all__ = ["Processes", "alive", "kill_group", "pids_in", "wait_for_exits"]
 
 
 def alive(pid: int) -> bool:
@@ -58,6 +59,35 @@ def pids_in(folder: Path) -> list[int]:
         except (OSError, ValueError):
             continue
     return pids
+
+
+def wait_for_exits(pids: Sequence[int], timeout: float, *, every: bool) -> None:
+    """Block until one of ``pids`` (``every``: all of them) has exited, or ``timeout`` seconds
+    passed. Waits on each process's pidfd, so it wakes when a process exits, not on a timer;
+    a pid already gone counts as exited. A child of this process must not have been reaped."""
+    fds: list[int] = []
+    try:
+        for pid in pids:
+            try:
+                fds.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                if not every:
+                    return
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + timeout
+        waiting = len(fds)
+        while waiting and (remaining := deadline - time.monotonic()) > 0:
+            ready = poller.poll(remaining * 1000.0)
+            if ready and not every:
+                return
+            for fd, _ in ready:
+                poller.unregister(fd)
+                waiting -= 1
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 class Processes:
@@ -113,9 +143,7 @@ class Processes:
             except subprocess.TimeoutExpired:
                 pass
         # Grandchildren reparented to init are reaped by it; give it a moment.
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and any(alive(p) for p in self.extra):
-            time.sleep(0.05)
+        wait_for_exits(sorted(self.extra), 5.0, every=True)
 
     def __enter__(self) -> Processes:
         return self
