@@ -13,6 +13,7 @@ import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -23,7 +24,7 @@ from flodl.backends.gloo import GlooBackend
 from flodl.config import CoordinatorConfig
 from flodl.coordinator.server import open_coordinator
 from flodl.core.common.policy import Policy
-from flodl.core.coordinator.machine import Status
+from flodl.core.coordinator.machine import Outcome, Status
 from flodl.errors import CheckpointError, CoordinatorError, FlodlError, ShutdownRequested
 from flodl.transports import open_listener
 from flodl.transports.channel import Channel, accept_rank
@@ -104,6 +105,36 @@ async def train(
     return report
 
 
+async def run_two_ranks(
+    tmp_path: Path,
+    coordinator_config: CoordinatorConfig,
+    train_rank: Callable[[WorkerConfig, torch.nn.Module], Awaitable[dict[str, Any]]],
+    **worker: object,
+) -> tuple[Outcome, list[dict[str, Any]], list[torch.nn.Module]]:
+    """A real coordinator and two workers (models seeded 0 and 1: different starts, so
+    averaging matters) in this trio run, each trained by ``train_rank(config, model)`` under
+    the coordinator's policy (``worker``: more WorkerConfig settings). The outcome, each
+    rank's report and model."""
+    url = f"memory://worker-inproc-{next(_names)}"
+    models = [make_model(seed=r) for r in range(2)]
+    reports: list[dict[str, Any]] = [{}, {}]
+    policy = coordinator_config.policy
+    with trio.fail_after(60):
+        async with open_coordinator(url, 2, KEY, coordinator_config, linger=5.0) as coord:
+            async with trio.open_nursery() as nursery:
+                for rank in range(2):
+
+                    async def run(rank: int = rank) -> None:
+                        config = worker_config(
+                            coord.url, rank, 2, tmp_path, policy=policy, **worker
+                        )
+                        reports[rank] = await train_rank(config, models[rank])
+
+                    nursery.start_soon(run)
+            outcome = await coord.wait_finished()
+    return outcome, reports, models
+
+
 @pytest.mark.parametrize("policy", [Policy.SYNC, Policy.CADENCE, Policy.ASYNC])
 async def test_two_workers_train_every_sample_once_per_epoch(
     policy: Policy, tmp_path: Path
@@ -111,42 +142,30 @@ async def test_two_workers_train_every_sample_once_per_epoch(
     coordinator_config = CoordinatorConfig(
         policy=policy, heartbeat_interval=0.2, heartbeat_timeout=5.0, anchor=3
     )
-    url = f"memory://worker-inproc-{next(_names)}"
-    models = [make_model(seed=r) for r in range(2)]  # different starts: averaging must matter
     seen: list[list[tuple[int, int]]] = [[], []]
-    reports: list[dict[str, object]] = [{}, {}]
-    with trio.fail_after(60):
-        async with open_coordinator(url, 2, KEY, coordinator_config, linger=5.0) as coord:
-            async with trio.open_nursery() as nursery:
-                for rank in range(2):
 
-                    async def run(rank: int = rank) -> None:
-                        config = worker_config(coord.url, rank, 2, tmp_path, policy=policy)
-                        reports[rank] = await train(config, models[rank], seen[rank])
+    async def train_rank(config: WorkerConfig, model: torch.nn.Module) -> dict[str, Any]:
+        return await train(config, model, seen[config.rank])
 
-                    nursery.start_soon(run)
-            outcome = await coord.wait_finished()
+    outcome, reports, models = await run_two_ranks(tmp_path, coordinator_config, train_rank)
     assert outcome.status is Status.COMPLETED, outcome
     for epoch in range(EPOCHS):
         trained = sorted(i for part in seen for e, i in part if e == epoch)
         assert trained == list(range(DATASET)), f"epoch {epoch}"
-    assert sum(int(r["batches"]) for r in reports) == EPOCHS * DATASET // BATCH  # type: ignore[call-overload]
+    assert sum(int(r["batches"]) for r in reports) == EPOCHS * DATASET // BATCH
     for report in reports:
         assert report["exit_reason"] == "completed"
         assert report["final_metrics"] == {"done": 1.0}
-        assert int(report["syncs"]) >= 1  # type: ignore[call-overload]
-        assert report["steps"] == int(report["batches"]) + int(report["syncs"])  # type: ignore[call-overload]
+        assert int(report["syncs"]) >= 1
+        assert report["steps"] == int(report["batches"]) + int(report["syncs"])
         # Time at batch boundaries is split: averaging apart from waiting, never negative.
-        idle_s, averaging_s = float(report["idle_s"]), float(report["averaging_s"])  # type: ignore[arg-type]
+        idle_s, averaging_s = float(report["idle_s"]), float(report["averaging_s"])
         assert averaging_s > 0.0 and idle_s >= 0.0
-        assert idle_s + averaging_s + float(report["startup_s"]) <= float(report["wall_s"])  # type: ignore[arg-type]
+        assert idle_s + averaging_s + float(report["startup_s"]) <= float(report["wall_s"])
     if policy is not Policy.ASYNC:
         # Every round left both ranks with bitwise-identical parameters, and the run ends
         # on an average, so the final models are identical too.
-        hashes = [
-            {h["round"]: h["sha256"] for h in r["param_hashes"]}  # type: ignore[attr-defined]
-            for r in reports
-        ]
+        hashes = [{h["round"]: h["sha256"] for h in r["param_hashes"]} for r in reports]
         assert hashes[0] == hashes[1] and hashes[0]
         final = [tensors_sha256(list(m.parameters())) for m in models]
         assert final[0] == final[1]

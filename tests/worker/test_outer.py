@@ -5,24 +5,22 @@ resume (into another number of ranks too)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import trio
 
 from flodl.averaging.outer import OuterOptimizer, OuterSettings
-from flodl.checkpoint import load_bundle
+from flodl.checkpoint import find_latest, load_bundle
 from flodl.config import CoordinatorConfig
-from flodl.coordinator.server import open_coordinator
 from flodl.core.common.policy import Policy
 from flodl.core.coordinator.machine import Status
 from flodl.errors import CheckpointError
+from flodl.worker import WorkerConfig
 from flodl.worker.persist import SavePoint, save_rank_bundle
 from flodl.worker.records import tensors_sha256
-from tests.worker.test_inprocess import KEY, _names, make_model, train, worker_config
+from tests.worker.test_inprocess import make_model, run_two_ranks, train
 
 NESTEROV = OuterSettings("nesterov", 0.7, 0.9)
 
@@ -30,8 +28,8 @@ NESTEROV = OuterSettings("nesterov", 0.7, 0.9)
 async def run_pair(
     tmp_path: Path, policy: Policy, outer: OuterSettings, **worker: Any
 ) -> tuple[list[dict[str, Any]], list[torch.nn.Module]]:
-    """Two ranks (different starting weights) train to the end under ``policy``; their
-    reports and models."""
+    """Two ranks (different starting weights) train to the end under ``policy`` and ``outer``;
+    their reports and models."""
     coordinator_config = CoordinatorConfig(
         policy=policy,
         heartbeat_interval=0.2,
@@ -41,22 +39,13 @@ async def run_pair(
         outer_lr=outer.lr,
         outer_momentum=outer.momentum,
     )
-    url = f"memory://worker-outer-{next(_names)}"
-    models = [make_model(seed=r) for r in range(2)]
-    reports: list[dict[str, Any]] = [{}, {}]
-    with trio.fail_after(60):
-        async with open_coordinator(url, 2, KEY, coordinator_config, linger=5.0) as coord:
-            async with trio.open_nursery() as nursery:
-                for rank in range(2):
 
-                    async def run(rank: int = rank) -> None:
-                        config = worker_config(
-                            coord.url, rank, 2, tmp_path, policy=policy, outer=outer, **worker
-                        )
-                        reports[rank] = await train(config, models[rank], [])
+    async def train_rank(config: WorkerConfig, model: torch.nn.Module) -> dict[str, Any]:
+        return await train(config, model, [])
 
-                    nursery.start_soon(run)
-            outcome = await coord.wait_finished()
+    outcome, reports, models = await run_two_ranks(
+        tmp_path, coordinator_config, train_rank, outer=outer, **worker
+    )
     assert outcome.status is Status.COMPLETED, outcome
     return reports, models
 
@@ -156,10 +145,7 @@ async def test_a_resume_refuses_an_outer_state_that_does_not_fit(tmp_path: Path)
     )
 
 
-def _latest_in(directory: Path) -> Path:
-    stem = str(json.loads((directory / "latest.json").read_text())["stem"])
-    return directory / stem
-
-
 def _latest(run_dir: Path, rank: int) -> Path:
-    return _latest_in(run_dir / "checkpoints" / f"rank{rank}")
+    latest = find_latest(run_dir / "checkpoints" / f"rank{rank}")
+    assert latest is not None, f"rank {rank} saved no bundle"
+    return latest

@@ -12,20 +12,19 @@ import pytest
 import torch
 import trio
 
-from flodl.checkpoint import load_bundle
+from flodl.checkpoint import find_latest, load_bundle
 from flodl.config import CoordinatorConfig
-from flodl.coordinator.server import open_coordinator
 from flodl.core.common.policy import Policy
 from flodl.core.coordinator.machine import Status
-from flodl.worker import open_worker
+from flodl.worker import WorkerConfig, open_worker
 from flodl.worker.records import tensors_sha256
-from tests.worker.test_inprocess import KEY, _names, make_model, worker_config
+from tests.worker.test_inprocess import run_two_ranks
 
 DATASET, BATCH, EPOCHS = 4096, 4, 50  # far more than the run will train
 
 
 async def train_until(
-    config: Any, model: torch.nn.Module, stop_after: int | None, ms_per_batch: float
+    config: WorkerConfig, model: torch.nn.Module, stop_after: int | None, ms_per_batch: float
 ) -> dict[str, Any]:
     x = torch.linspace(-1, 1, DATASET * 3).reshape(DATASET, 3)
     y = x.sum(dim=1, keepdim=True)
@@ -54,24 +53,15 @@ async def run_pair(
     coordinator_config = CoordinatorConfig(
         policy=policy, heartbeat_interval=0.2, heartbeat_timeout=5.0, anchor=3, max_time=max_time
     )
-    models = [make_model(seed=r) for r in range(2)]
-    reports: list[dict[str, Any]] = [{}, {}]
-    url = f"memory://worker-stop-{next(_names)}"
-    with trio.fail_after(60):
-        async with open_coordinator(url, 2, KEY, coordinator_config, linger=5.0) as coord:
-            async with trio.open_nursery() as nursery:
-                for rank in range(2):
 
-                    async def run(rank: int = rank) -> None:
-                        config = worker_config(coord.url, rank, 2, tmp_path, policy=policy)
-                        # rank 1 is the slower one, and the one that stops the run
-                        reports[rank] = await train_until(
-                            config, models[rank], stop_after if rank == 1 else None, 2.0 + 3 * rank
-                        )
+    async def train_rank(config: WorkerConfig, model: torch.nn.Module) -> dict[str, Any]:
+        # rank 1 is the slower one, and the one that stops the run
+        slower = config.rank == 1
+        return await train_until(
+            config, model, stop_after if slower else None, 2.0 + 3 * config.rank
+        )
 
-                    nursery.start_soon(run)
-            outcome = await coord.wait_finished()
-    return outcome, reports, models
+    return await run_two_ranks(tmp_path, coordinator_config, train_rank)
 
 
 def assert_one_model(tmp_path: Path, reports: list[dict[str, Any]], models: list[Any]) -> None:
@@ -81,9 +71,9 @@ def assert_one_model(tmp_path: Path, reports: list[dict[str, Any]], models: list
     assert final[0] == final[1]
     bundles = []
     for rank in range(2):
-        directory = tmp_path / "checkpoints" / f"rank{rank}"
-        stem = json.loads((directory / "latest.json").read_text())["stem"]
-        bundles.append(load_bundle(directory / stem))
+        latest = find_latest(tmp_path / "checkpoints" / f"rank{rank}")
+        assert latest is not None, f"rank {rank} saved no bundle"
+        bundles.append(load_bundle(latest))
     first, second = (b.model_state for b in bundles)
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
