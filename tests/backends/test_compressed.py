@@ -12,20 +12,15 @@ import trio
 
 from flodl.backends import AverageResult
 from flodl.backends.gloo import GlooBackend
-from tests.backends.test_inprocess import form
+from tests.backends.test_inprocess import gloo_group
 
 MASSES = [1, 3, 0]
 
 
 @pytest.fixture
 async def ranks() -> AsyncIterator[list[GlooBackend]]:
-    backends = [GlooBackend(op_timeout=5.0, join_timeout=10.0) for _ in range(3)]
-    try:
-        await form(backends, 0)
+    async with gloo_group(3) as backends:
         yield backends
-    finally:
-        for backend in backends:
-            await backend.close()
 
 
 def reference() -> list[torch.Tensor]:

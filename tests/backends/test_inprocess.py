@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 import pytest
 import torch
@@ -33,6 +34,18 @@ async def form(backends: Sequence[GlooBackend | NcclBackend], generation: int) -
     async with trio.open_nursery() as nursery:
         for rank, backend in enumerate(backends):
             nursery.start_soon(backend.join_group, info, rank, len(backends), generation)
+
+
+@asynccontextmanager
+async def gloo_group(size: int) -> AsyncIterator[list[GlooBackend]]:
+    """``size`` gloo backends formed into generation 0 in this trio run; closed on exit."""
+    backends = [GlooBackend(op_timeout=5.0, join_timeout=10.0) for _ in range(size)]
+    try:
+        await form(backends, 0)
+        yield backends
+    finally:
+        for backend in backends:
+            await backend.close()
 
 
 def model(value: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -11,18 +11,13 @@ import trio
 
 from flodl.averaging.outer import NO_STATE
 from flodl.backends.gloo import GlooBackend
-from tests.backends.test_inprocess import form
+from tests.backends.test_inprocess import gloo_group
 
 
 @pytest.fixture
 async def trio_of_ranks() -> AsyncIterator[list[GlooBackend]]:
-    backends = [GlooBackend(op_timeout=5.0, join_timeout=10.0) for _ in range(3)]
-    try:
-        await form(backends, 0)
+    async with gloo_group(3) as backends:
         yield backends
-    finally:
-        for backend in backends:
-            await backend.close()
 
 
 def state(value: float) -> list[torch.Tensor]:

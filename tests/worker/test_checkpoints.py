@@ -20,9 +20,8 @@ from flodl.wire.messages import (
     Shutdown,
     StartEpoch,
 )
-from flodl.worker import WorkerConfig, join, open_worker
-from tests.worker.test_facade import KEY as FACADE_KEY
-from tests.worker.test_facade import coordinator_thread
+from flodl.worker import join, open_worker
+from tests.worker.test_facade import coordinator_thread, facade_config
 from tests.worker.test_inprocess import (
     BATCH,
     DATASET,
@@ -90,16 +89,7 @@ def test_the_facade_asks_for_a_checkpoint_and_the_run_ends_with_the_final_model_
     model = make_model(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     with coordinator_thread(1) as (url, _served):
-        config = WorkerConfig(
-            coordinator=url,
-            session_key=FACADE_KEY,
-            rank=0,
-            world_size=1,
-            backend="gloo",
-            heartbeat_interval=0.2,
-            heartbeat_timeout=5.0,
-            run_dir=tmp_path,
-        )
+        config = facade_config(url, tmp_path)
         with join(model, optimizer, config) as rank:
             for i, batch in enumerate(rank.batches(DATASET, BATCH, EPOCHS)):
                 if i == 0:

@@ -49,6 +49,20 @@ def coordinator_thread(world_size: int) -> Iterator[tuple[str, list[Coordinator]
         assert not thread.is_alive(), "the coordinator did not finish"
 
 
+def facade_config(url: str, run_dir: Path) -> WorkerConfig:
+    """Rank 0 of a world of one, on gloo, for the coordinator at ``url``."""
+    return WorkerConfig(
+        coordinator=url,
+        session_key=KEY,
+        rank=0,
+        world_size=1,
+        backend="gloo",
+        heartbeat_interval=0.2,
+        heartbeat_timeout=5.0,
+        run_dir=run_dir,
+    )
+
+
 def test_a_plain_loop_trains_every_sample_and_done_does_not_wait(tmp_path: Path) -> None:
     torch.manual_seed(0)
     x = torch.randn(DATASET, 4)
@@ -57,16 +71,7 @@ def test_a_plain_loop_trains_every_sample_and_done_does_not_wait(tmp_path: Path)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     seen: list[tuple[int, int]] = []
     with coordinator_thread(1) as (url, served):
-        config = WorkerConfig(
-            coordinator=url,
-            session_key=KEY,
-            rank=0,
-            world_size=1,
-            backend="gloo",
-            heartbeat_interval=0.2,
-            heartbeat_timeout=5.0,
-            run_dir=tmp_path,
-        )
+        config = facade_config(url, tmp_path)
         with join(model, optimizer, config) as rank:
             for batch in rank.batches(DATASET, BATCH, EPOCHS):
                 seen.extend((batch.epoch, i) for i in batch.indices)
@@ -94,16 +99,7 @@ def test_batch_averaged_marks_the_first_batch_after_each_average(tmp_path: Path)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     marks: list[bool] = []
     with coordinator_thread(1) as (url, _served):
-        config = WorkerConfig(
-            coordinator=url,
-            session_key=KEY,
-            rank=0,
-            world_size=1,
-            backend="gloo",
-            heartbeat_interval=0.2,
-            heartbeat_timeout=5.0,
-            run_dir=tmp_path,
-        )
+        config = facade_config(url, tmp_path)
         with join(model, optimizer, config) as rank:
             for batch in rank.batches(DATASET, BATCH, EPOCHS):
                 marks.append(batch.averaged)
