@@ -17,17 +17,16 @@ once the round landed.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from flodl.averaging.mass import mass_of, relative_divergence
+from flodl.averaging.mass import combine_norms, mass_of, norm32, relative_divergence
 from flodl.backends.base import AverageResult
 from flodl.backends.generations import Comm
-from flodl.errors import CollectiveAborted
+from flodl.backends.pipeline import check_abandoned
 
 __all__ = ["LandedMoves", "average_moves"]
 
@@ -77,12 +76,12 @@ def average_moves(
     sums = torch.tensor([mass, 1.0 if mass > 0 else 0.0], dtype=torch.float64)
     comm.allreduce(sums, dist.ReduceOp.SUM)
     total, movers = (float(x) for x in sums.tolist())
-    pre_norm = _norm(params)
+    pre_norm = combine_norms([norm32(p.detach()) for p in params])
     floats = [b for b in buffers if b.is_floating_point()]
     if total <= 0.0:
         kept = AverageResult(0.0, pre_norm, pre_norm, True, total, round(movers))
         return LandedMoves(list(params), floats, kept)
-    _check(abandoned)
+    check_abandoned(abandoned, "abandoned before the moves were reduced")
     share = mass / total
     moves = torch.cat(
         [
@@ -93,7 +92,7 @@ def average_moves(
     comm.allreduce(moves, dist.ReduceOp.SUM)
     means: list[torch.Tensor] = []
     if floats:
-        _check(abandoned)
+        check_abandoned(abandoned, "abandoned before the buffers were reduced")
         sent = [b.detach().double() * (1.0 if mass > 0 else 0.0) for b in floats]
         summed = torch.cat([b.reshape(-1) for b in sent])
         comm.allreduce(summed, dist.ReduceOp.SUM)
@@ -103,26 +102,16 @@ def average_moves(
             means.append(summed[offset : offset + b.numel()].view(b.shape).to(b.dtype))
             offset += b.numel()
     averaged: list[torch.Tensor] = []
-    diff_sq = 0.0
+    diffs: list[torch.Tensor] = []
     offset = 0
     for p, r in zip(params, reference, strict=True):
         n = p.numel()
-        average = r + moves[offset : offset + n].view(p.shape).to(r.dtype)
+        average = (r + moves[offset : offset + n].view(p.shape).to(r.dtype)).to(p.dtype)
         offset += n
-        diff_sq += float(torch.linalg.vector_norm((p.detach() - average).double()) ** 2)
-        averaged.append(average.to(p.dtype))
-    post_norm = _norm(averaged)
-    divergence = relative_divergence(math.sqrt(diff_sq), post_norm)
+        diffs.append(norm32(p.detach() - average))
+        averaged.append(average)
+    post_norm = combine_norms([norm32(a) for a in averaged])
+    divergence = relative_divergence(combine_norms(diffs), post_norm)
     return LandedMoves(
         averaged, means, AverageResult(divergence, pre_norm, post_norm, False, total, round(movers))
     )
-
-
-def _norm(tensors: Sequence[torch.Tensor]) -> float:
-    squares = sum(float(torch.linalg.vector_norm(t.detach().double()) ** 2) for t in tensors)
-    return math.sqrt(squares)
-
-
-def _check(abandoned: Callable[[], bool]) -> None:
-    if abandoned():
-        raise CollectiveAborted("abandoned during a compressed round")

@@ -254,9 +254,9 @@ def _reduce_shares(
     flat, layout = scratch.flat, plan.layout
     mass, mover = mass_of(batches, gamma), mover_of(batches)
     flat[layout.mass_index], flat[layout.mover_index] = mass, mover
-    _check(abandoned, "abandoned before the sums were reduced")
+    check_abandoned(abandoned, "abandoned before the sums were reduced")
     comm.start_allreduce(flat[:HEADER], dist.ReduceOp.SUM).wait()
-    _check(abandoned, "abandoned while the sums were reduced")
+    check_abandoned(abandoned, "abandoned while the sums were reduced")
     reduced = read_sums(flat, layout)
     params = [piece for bucket in plan.buckets for piece in bucket.pieces if piece.is_param]
     if reduced.total_mass <= 0:  # nobody moved: every rank keeps its own state
@@ -274,7 +274,7 @@ def _reduce_shares(
                 norms.pre.append(share_piece(_source(sources, piece), out, param_share))
             else:  # buffers (a few, small) need no norm
                 share_piece(_source(sources, piece), out, buffer_share)
-        _check(abandoned, "abandoned before every bucket was started")
+        check_abandoned(abandoned, "abandoned before every bucket was started")
         body = max(bucket.start, HEADER)  # the sums are reduced already
         ops.append(
             comm.start_allreduce(flat[body : bucket.end], dist.ReduceOp.SUM)
@@ -286,7 +286,7 @@ def _reduce_shares(
     for bucket, op in zip(plan.buckets, ops, strict=True):
         if op is not None:
             op.wait()
-        _check(abandoned, "abandoned while the buckets were landing")
+        check_abandoned(abandoned, "abandoned while the buckets were landing")
         if checksum:
             sums.append(checksum_part(flat[bucket.start : bucket.end]))
         for piece in bucket.pieces:
@@ -307,13 +307,13 @@ def _reduce_snapshot(
     flat = scratch.flat
     ops = []
     for bucket in plan.buckets:
-        _check(abandoned, "abandoned before every bucket was started")
+        check_abandoned(abandoned, "abandoned before every bucket was started")
         ops.append(comm.start_allreduce(flat[bucket.start : bucket.end], dist.ReduceOp.SUM))
     sums: list[torch.Tensor] = []
     reduced = Reduced(0.0, 0.0)
     for index, (bucket, op) in enumerate(zip(plan.buckets, ops, strict=True)):
         op.wait()
-        _check(abandoned, "abandoned while the buckets were landing")
+        check_abandoned(abandoned, "abandoned while the buckets were landing")
         if index == 0:
             reduced = read_sums(flat, plan.layout)
             by_mass, by_movers = divisors(reduced)
@@ -325,8 +325,11 @@ def _reduce_snapshot(
     return Landed(reduced, combine_checksums(sums), None)
 
 
-def _check(abandoned: Callable[[], bool], why: str) -> None:
-    if abandoned():  # the caller has gone: start nothing more, stop reading its tensors
+def check_abandoned(abandoned: Callable[[], bool], why: str) -> None:
+    """Raise :class:`CollectiveAborted` (``why``) once ``abandoned()`` is true: between the
+    collectives of a worker thread whose caller has gone, start nothing more and stop reading
+    its tensors."""
+    if abandoned():
         raise CollectiveAborted(why)
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from flodl.backends.generations import Comm
-from flodl.errors import CollectiveAborted
+from flodl.backends.pipeline import check_abandoned
 
 __all__ = ["share_newest"]
 
@@ -45,12 +45,12 @@ def share_newest(
     newest, minus_oldest = (int(w) for w in words.tolist())
     if newest == -minus_oldest:
         return newest
-    _check(abandoned)
+    check_abandoned(abandoned, "abandoned before the source was picked")
     pick = torch.tensor([rank if version == newest else world_size], device=device)
     comm.allreduce(pick, dist.ReduceOp.MIN)
     source = int(pick.item())
     for dtype in sorted({t.dtype for t in tensors}, key=str):
-        _check(abandoned)
+        check_abandoned(abandoned, "abandoned while the newest state was shared")
         group = [t for t in tensors if t.dtype == dtype]
         if rank == source:
             flat = torch.cat([t.reshape(-1) for t in group])
@@ -63,8 +63,3 @@ def share_newest(
                 t.copy_(flat[offset : offset + t.numel()].view(t.shape))
                 offset += t.numel()
     return newest
-
-
-def _check(abandoned: Callable[[], bool]) -> None:
-    if abandoned():
-        raise CollectiveAborted("abandoned while the newest state was shared")
