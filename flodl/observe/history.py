@@ -14,6 +14,7 @@ import attrs
 
 from flodl.errors import ConfigError
 from flodl.observe.events import EVENTS_NAME, read_events
+from flodl.observe.state import window_loss
 
 __all__ = ["Mark", "RoundRow", "RunHistory", "load_history", "load_summary"]
 
@@ -50,14 +51,8 @@ class RoundRow:
     @property
     def loss(self) -> float | None:
         """The window's mean training loss over every rank's batches (None: none reported
-        one): each rank's mean weighted by its batches."""
-        weighted = [
-            (float(facts["loss"]), int(facts.get("batches") or 0))
-            for facts in self.ranks.values()
-            if facts.get("loss") is not None
-        ]
-        batches = sum(n for _, n in weighted)
-        return sum(loss * n for loss, n in weighted) / batches if batches else None
+        one), as :func:`~flodl.observe.state.window_loss` gives it."""
+        return window_loss(self.ranks)
 
 
 @attrs.frozen

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["NOTABLE", "RankRow", "RunView", "describe"]
+__all__ = ["NOTABLE", "RankRow", "RunView", "describe", "window_loss"]
 
 NOTABLE = frozenset(
     {
@@ -33,6 +33,18 @@ NOTABLE = frozenset(
 """Kinds of events the views print as a line of their own (also when stdout is no terminal).
 A rejoin (``RankJoined`` with ``rejoin``) and a redone round (``SyncStart`` with ``redo``) are
 notable too."""
+
+
+def window_loss(ranks: Mapping[Any, Mapping[str, Any]]) -> float | None:
+    """A window's mean training loss over every rank's batches, from a ``SyncEnd`` record's
+    ``ranks``: each rank's mean ``loss`` weighted by its ``batches`` (None: none had one)."""
+    weighted = [
+        (float(facts["loss"]), int(facts.get("batches") or 0))
+        for facts in ranks.values()
+        if facts.get("loss") is not None
+    ]
+    batches = sum(n for _, n in weighted)
+    return sum(loss * n for loss, n in weighted) / batches if batches else None
 
 
 def is_notable(record: Mapping[str, Any]) -> bool:
@@ -197,13 +209,9 @@ class RunView:
         # A window that trained nothing (the first round, which also waits for the first
         # group to form) says nothing of idling or averaging between batches.
         trained = any(facts.get("batches") for facts in ranks.values())
-        weighted = [
-            (float(f["loss"]), int(f.get("batches") or 0))
-            for f in ranks.values()
-            if f.get("loss") is not None
-        ]
-        if sum(n for _, n in weighted):
-            self.window_loss = sum(v * n for v, n in weighted) / sum(n for _, n in weighted)
+        loss = window_loss(ranks)
+        if loss is not None:
+            self.window_loss = loss
         for key, facts in ranks.items():
             row = self._row(int(key))
             if row is None:

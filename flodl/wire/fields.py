@@ -107,10 +107,11 @@ def i64() -> Any:
 
 
 def f64(default: float | None = None) -> Any:
-    """Any float, NaN and infinities included (a loss may be NaN); ints are widened."""
-    if default is None:
-        return attrs.field(converter=_checked(_float))
-    return attrs.field(default=default, converter=_checked(_float))
+    """Any float, NaN and infinities included (a loss may be NaN); ints are widened.
+    ``default``: the value when absent (None: required)."""
+    return attrs.field(
+        default=attrs.NOTHING if default is None else default, converter=_checked(_float)
+    )
 
 
 def duration_ms() -> Any:
@@ -124,10 +125,10 @@ def opt_f64() -> Any:
 
 
 def text(default: str | None = None) -> Any:
-    """A string of bounded length."""
-    if default is None:
-        return attrs.field(converter=_checked(_text))
-    return attrs.field(default=default, converter=_checked(_text))
+    """A string of bounded length. ``default``: the value when absent (None: required)."""
+    return attrs.field(
+        default=attrs.NOTHING if default is None else default, converter=_checked(_text)
+    )
 
 
 def opt_text() -> Any:
