@@ -79,8 +79,7 @@ class ScriptRequests:
         whole = bool(members) and all(self._liveness.is_alive(rank) for rank in members)
         if work is None or not whole or self.why is not None:
             return Answer(list(self._ending.save_when_settled(SaveReason.GRACEFUL, now, why)))
-        self.why = why
-        self._timeline.add(now, EventKind.STOP_REQUESTED, why=why, rank=None, save=True)
+        self._record(now, why, None, save=True)
         work.stop()
         self._ending.save_after_last_round(SaveReason.GRACEFUL, now, why)
         return Answer([], may_be_due=True)
@@ -100,10 +99,14 @@ class ScriptRequests:
         """
         if self.why is not None:
             return Answer([])
-        self.why = why
-        self._timeline.add(now, EventKind.STOP_REQUESTED, why=why, rank=by, save=False)
+        self._record(now, why, by, save=False)
         work = self._rounds.dispatch.work
         if work is None:
             return Answer(list(self._ending.shutdown(now, why)))
         work.stop()
         return Answer([], may_be_due=True)
+
+    def _record(self, now: float, why: str, by: int | None, *, save: bool) -> None:
+        """The training stops (``StopRequested``); later stops are ignored."""
+        self.why = why
+        self._timeline.add(now, EventKind.STOP_REQUESTED, why=why, rank=by, save=save)
