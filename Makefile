@@ -39,10 +39,12 @@ unit: $(STAMP) test-packages
 
 test: lint typecheck unit
 
-# Four ranks train an MLP on scikit-learn's digits; rank 3 is made 2.5x slower. Each demo
-# writes a new folder under runs/ (runs/latest points at the newest), so earlier ones stay.
+# Four ranks train an MLP on scikit-learn's digits; rank 3 is made 2.5x slower; the summary
+# ends with the time to quality against lock-step DDP (estimated from the run's own step times,
+# docs/running.md "summary.json"). Each demo writes a new folder under runs/ (runs/latest
+# points at the newest), so earlier ones stay.
 demo: $(STAMP)
-	$(BIN)/flodl run --report --nproc 4 examples/digits.py --slow 3:2.5
+	$(BIN)/flodl run --report --nproc 4 examples/digits.py --slow 3:2.5 --epochs 100
 
 wire-demo: $(STAMP)
 	$(BIN)/python examples/wire_demo.py

@@ -20,6 +20,7 @@ from flodl.core.coordinator.ending import Status
 from flodl.core.coordinator.record import RunRecord
 from flodl.core.coordinator.timeline import EventKind
 from flodl.launch.config import LaunchConfig
+from flodl.launch.estimate import describe, training_s, versus_ddp
 from flodl.launch.failure_report import add_failure_report, print_root_cause
 from flodl.launch.saves import account_saves
 from flodl.observe.state import RunView
@@ -61,8 +62,8 @@ def build_summary(
         idle_share = row.get("idle_share")
         averaging_share = row.get("averaging_share")
         if idle_share is None or averaging_share is None:
-            idle_share = _share(report.get("idle_s"), _training_s(report))
-            averaging_share = _share(report.get("averaging_s"), _training_s(report))
+            idle_share = _share(report.get("idle_s"), training_s(report))
+            averaging_share = _share(report.get("averaging_s"), training_s(report))
         ranks.append(
             {
                 "rank": item.rank,
@@ -134,6 +135,8 @@ def build_summary(
             for name, values in final_metrics.items()
         },
         "timeline_events": len(record.timeline),
+        # A restarted rank reports its last life only: no estimate from part of the batches.
+        "versus_ddp": versus_ddp(ranks) if not deaths else None,
     }
     logs = {item.rank: item.exit_log for item in spawned}
     add_failure_report(summary, logs, record, unix, config.run_dir, stops)
@@ -149,14 +152,6 @@ def _read_json(path: Path, since: float) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _training_s(report: dict[str, Any]) -> float | None:
-    """Seconds from the rank's first batch to its exit (its wall time less start-up)."""
-    wall, startup = report.get("wall_s"), report.get("startup_s") or 0.0
-    if not isinstance(wall, int | float) or not isinstance(startup, int | float):
-        return None
-    return float(wall) - float(startup)
 
 
 def _share(idle: Any, wall: Any) -> float | None:
@@ -196,6 +191,8 @@ def print_summary(summary: dict[str, Any], stream: Any = None) -> None:
         print(f"  rank {death['rank']} lost ({death['cause']}), recovered in {shown}", file=out)
     for name, value in summary.get("final_metrics", {}).items():
         print(f"  {name}: {value}", file=out)
+    if summary.get("versus_ddp"):
+        print(f"  {describe(summary['versus_ddp'])}", file=out)
     for rank in summary["ranks"]:
         if rank.get("bundle"):
             print(f"  rank {rank['rank']} saved {rank['bundle']}", file=out)

@@ -88,6 +88,10 @@ def test_max_time_ends_the_training_after_its_budget(tmp_path: Path) -> None:
     summary = flodl_run(run_dir, "--max-time", "3")
     assert summary["message"] == "the time budget (3 s of training) is spent"
     assert_one_model(run_dir)
+    # Lock-step DDP would wait for the 2.5x-slower rank at every batch.
+    estimate = summary["versus_ddp"]
+    assert estimate["batches"] == sum(r["batches"] for r in summary["ranks"])
+    assert estimate["speedup_vs_ddp"] > 1.0
     # The summary's idle and averaging shares are the live table's: the run's events folded
     # the same way give the same figures.
     view = RunView(2)
