@@ -25,17 +25,20 @@ thread per process, gloo on CPU, everything on 127.0.0.1.
   with the flags of the table: ``sync``, ``cadence``, ``async`` (``--policy``), and
   ``cadence+nesterov``, ``async+nesterov`` (``--outer nesterov --outer-lr 0.7
   --outer-momentum 0.9``); everything else at flodl's defaults;
-* torchft ``LocalSGD`` and ``DiLoCo`` as peers: recorded as skipped, with the reason (torchft
-  not installed, or not run by this bench yet).
+* torchft ``LocalSGD`` and ``DiLoCo`` as peers (:mod:`quality_torchft`: a lighthouse and one
+  replica group per rank in a loopback-only network namespace); where torchft (a bench extra,
+  ``bench/requirements-peers.txt``) or namespaces are missing they are recorded as skipped,
+  with the reason.
 
-**Clock and budget.** Each run gets ``--budget-s`` seconds of *training* wall time
-(:class:`~quality_task.BudgetClock`, kept by rank 0, a fast rank): from rank 0's first
-training batch (process start-up, joining and group forming are not on it), paused while rank
-0 evaluates. Rank 0 evaluates its current model on the fixed validation set at t = 0 and every
-``budget / points`` seconds (after a step: between two batches, where flodl does not touch the
-parameters), and a last time when the budget is spent: ``loss_at_budget``. While rank 0
-evaluates, DDP's other ranks wait for it at the next all-reduce; flodl's go on training (a
-small advantage to flodl's runs, at most the evaluations' share of the budget).
+**Clock and budget.** Each run gets ``--budget-s`` seconds of *training* wall time (default:
+the workload's, 40 s for ``gpt`` and 12 s for ``digits``, where the fast rank alone is still
+improving at the end), on the :class:`~quality_task.BudgetClock` rank 0 (a fast rank) keeps:
+from rank 0's first training batch (process start-up, joining and group forming are not on it),
+paused while rank 0 evaluates. Rank 0 evaluates its current model on the fixed validation set
+at t = 0 and every ``budget / points`` seconds (after a step: between two batches, where flodl
+does not touch the parameters), and a last time when the budget is spent: ``loss_at_budget``.
+While rank 0 evaluates, DDP's other ranks wait for it at the next all-reduce; flodl's go on
+training (a small advantage to flodl's runs, at most the evaluations' share of the budget).
 
 **Ending a run.** When its budget is spent, flodl's rank 0 writes its result and ends the run
 with ``rank.stop()`` (``quality_rank.end_run``): the ranks train the rest of the window, a
@@ -49,11 +52,13 @@ ends (:mod:`quality_procs`); ``leftover_processes`` lists any still alive at the
 max, per repeat): ``loss_at_budget``; ``time_to_solo_loss``, the training seconds at which the
 run's curve first reaches the solo runs' median loss at budget (linear between the two
 evaluation points around the crossing; null if it never does); ``time_to_ddp_loss`` the same
-for DDP's; ``speedup_to_quality_vs_solo`` = budget / ``time_to_solo_loss``, and ``_vs_ddp``
-likewise; ``_vs_torchft`` null while torchft is skipped. Also the 1-minute load average before
-and after every run, each run's command lines, and for flodl its rounds, windows, anchor and
-idle shares (from its ``summary.json`` and ``events.jsonl``). The runs of a repeat go in a
-rotated order, so a drift of the machine's load does not always weigh on the same variant.
+for DDP's and for torchft's (the peer of the two with the lower median loss at budget,
+``torchft_reference``); ``speedup_to_quality_vs_solo`` = budget / ``time_to_solo_loss``, and
+``_vs_ddp``, ``_vs_torchft`` likewise (``_vs_torchft`` null where torchft is skipped). Also the
+1-minute load average before and after every run, each run's command lines, and for flodl its
+rounds, windows, anchor and idle shares (from its ``summary.json`` and ``events.jsonl``). The
+runs of a repeat go in a rotated order, so a drift of the machine's load does not always weigh
+on the same variant.
 
 ``--quick``: digits only, 2 ranks, a 3 s budget, 1 repeat, the variants of :data:`QUICK`
 (figures mean nothing), for the smoke test. Wrap measurement runs in ``flock /tmp/bench.lock``.
@@ -62,7 +67,6 @@ rotated order, so a drift of the machine's load does not always weigh on the sam
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -104,6 +108,8 @@ class Variant:
     """``solo``, ``ddp``, ``flodl`` or ``torchft``."""
     flodl_args: tuple[str, ...] = ()
     description: str = ""
+    peer: str = ""
+    """torchft's algorithm (``localsgd``, ``diloco``) for a ``torchft`` variant."""
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -172,8 +178,13 @@ VARIANTS: tuple[Variant, ...] = (
         ("--policy", "cadence", "--window-cap-s", "1"),
         "flodl cadence, no window longer than 1 s",
     ),
-    Variant("torchft-localsgd", "torchft", description="torchft LocalSGD (peer)"),
-    Variant("torchft-diloco", "torchft", description="torchft DiLoCo (peer)"),
+    Variant("torchft-localsgd", "torchft", description="torchft LocalSGD (peer)", peer="localsgd"),
+    Variant(
+        "torchft-diloco",
+        "torchft",
+        description="torchft DiLoCo (peer): outer Nesterov lr 0.7, momentum 0.9",
+        peer="diloco",
+    ),
 )
 BY_NAME = {variant.name: variant for variant in VARIANTS}
 QUICK = ("solo", "ddp", "cadence+nesterov", "torchft-localsgd", "torchft-diloco")
@@ -286,18 +297,18 @@ def run_flodl(variant: Variant, spec: RunSpec, nproc: int, folder: Path) -> dict
     }
 
 
-def torchft_unavailable() -> str:
-    """Why the torchft peers are not run."""
-    if importlib.util.find_spec("torchft") is None:
-        return (
-            "torchft is not installed (a bench extra, never a flodl dependency; "
-            "`.venv/bin/pip install -r bench/requirements-peers.txt` after torch==2.13.0): "
-            "LocalSGD and DiLoCo not run"
-        )
-    return (
-        "torchft is installed, but this bench does not run its LocalSGD and DiLoCo yet "
-        "(bench/peers_bench.py runs LocalSGD for throughput and recovery)"
-    )
+def torchft_unavailable() -> str | None:
+    """Why the torchft peers cannot run here (None: they can)."""
+    from quality_torchft import unavailable
+
+    reason = unavailable()
+    return None if reason is None else f"{reason}: LocalSGD and DiLoCo not run"
+
+
+def run_peer(variant: Variant, spec: RunSpec, nproc: int, folder: Path) -> dict[str, Any]:
+    from quality_torchft import run_torchft
+
+    return run_torchft(variant.peer, spec, nproc, folder)
 
 
 def run_one(
@@ -308,6 +319,7 @@ def run_one(
         "solo": lambda: run_solo(spec, folder),
         "ddp": lambda: run_ddp(spec, nproc, folder),
         "flodl": lambda: run_flodl(variant, spec, nproc, folder),
+        "torchft": lambda: run_peer(variant, spec, nproc, folder),
     }
     record: dict[str, Any] = {
         "repeat": repeat,
@@ -389,26 +401,38 @@ def reference_loss(cell: dict[str, Any], name: str) -> float | None:
     return round(statistics.median(losses), 5) if losses else None
 
 
+def torchft_reference(cell: dict[str, Any]) -> tuple[str | None, float | None]:
+    """The stronger torchft peer of ``cell`` (the lower median loss at budget) and that loss."""
+    ran = [
+        (loss, name)
+        for name in ("torchft-localsgd", "torchft-diloco")
+        if (loss := reference_loss(cell, name)) is not None
+    ]
+    if not ran:
+        return None, None
+    loss, name = min(ran)
+    return name, loss
+
+
 def summarize(cell: dict[str, Any], torchft_skipped: str | None) -> None:
     """Add the figures of every variant of ``cell`` (one workload and layout)."""
     budget = cell["budget_s"]
     solo, ddp = reference_loss(cell, "solo"), reference_loss(cell, "ddp")
+    peer, torchft = torchft_reference(cell)
     cell["solo_loss_at_budget"], cell["ddp_loss_at_budget"] = solo, ddp
-    cell["torchft_loss_at_budget"] = None
+    cell["torchft_reference"], cell["torchft_loss_at_budget"] = peer, torchft
     cell["torchft_skipped"] = torchft_skipped
     for variant in cell["variants"].values():
         runs = [r for r in variant.get("runs", []) if "curve" in r]
         if not runs:
             continue
         variant["loss_at_budget"] = spread([r["loss_at_budget"] for r in runs], 5)
-        for key, target in (("solo", solo), ("ddp", ddp)):
+        for key, target in (("solo", solo), ("ddp", ddp), ("torchft", torchft)):
             times = spread(
                 [None if target is None else first_reach(r["curve"], target) for r in runs], 3
             )
             variant[f"time_to_{key}_loss"] = times
             variant[f"speedup_to_quality_vs_{key}"] = speedup(budget, times)
-        variant["time_to_torchft_loss"] = None
-        variant["speedup_to_quality_vs_torchft"] = None
         variant["load_before"] = spread([r["load_before"] for r in runs], 2)
         variant["load_after"] = spread([r["load_after"] for r in runs], 2)
         variant["steps_rank0"] = spread([r.get("steps") for r in runs], 1)
@@ -436,6 +460,10 @@ def table(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                     "speedup_to_quality_vs_solo": variant["speedup_to_quality_vs_solo"]["median"],
                     "time_to_ddp_loss_s": variant["time_to_ddp_loss"]["median"],
                     "speedup_to_quality_vs_ddp": variant["speedup_to_quality_vs_ddp"]["median"],
+                    "time_to_torchft_loss_s": variant["time_to_torchft_loss"]["median"],
+                    "speedup_to_quality_vs_torchft": variant["speedup_to_quality_vs_torchft"][
+                        "median"
+                    ],
                     "steps_rank0": variant["steps_rank0"]["median"],
                     "fast_rank_idle_share": round(statistics.median(idle), 4) if idle else None,
                     "load_before": variant["load_before"]["median"],
@@ -474,7 +502,14 @@ def workload_name(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="flodl time-to-quality benchmark")
     parser.add_argument("--quick", action="store_true", help="smoke run (figures mean nothing)")
-    parser.add_argument("--budget-s", type=float, default=120.0, help="training seconds per run")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="training seconds per run (default: the workload's, "
+        + ", ".join(f"{w.name} {w.budget_s:g}" for w in WORKLOADS.values())
+        + ")",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--points", type=int, default=20, help="evaluations per budget")
     parser.add_argument("--workloads", type=items(workload_name), default=("gpt", "digits"))
@@ -535,12 +570,13 @@ def main(argv: list[str] | None = None) -> int:
     plot_path = args.plot or (PLOT if output == RESULTS else output.with_suffix(".png"))
     variants = [BY_NAME[name] for name in args.variants]
     skipped = torchft_unavailable() if any(v.kind == "torchft" for v in variants) else None
-    runnable = [v for v in variants if v.kind != "torchft"]
+    runnable = [v for v in variants if not (skipped and v.kind == "torchft")]
+    budgets = {w: args.budget_s or WORKLOADS[w].budget_s for w in args.workloads}
     started, load_start = time.perf_counter(), load()
     date = datetime.now(UTC).isoformat(timespec="seconds")
     print(
         f"quality bench: workloads {list(args.workloads)}, layouts {list(args.layouts)}, budget "
-        f"{args.budget_s:g} s, {args.repeats} repeat(s), variants {[v.name for v in variants]} "
+        f"{budgets} s, {args.repeats} repeat(s), variants {[v.name for v in variants]} "
         f"(load {load_start})",
         flush=True,
     )
@@ -561,11 +597,13 @@ def main(argv: list[str] | None = None) -> int:
                         "slow_rank": nproc - 1,
                         "slow_factor": args.slow_factor,
                     },
-                    "budget_s": args.budget_s,
+                    "budget_s": budgets[workload],
                     "repeats": args.repeats,
                     "points": args.points,
                     "variants": {
-                        v.name: {"skipped": skipped} if v.kind == "torchft" else {"runs": []}
+                        v.name: {"skipped": skipped}
+                        if skipped and v.kind == "torchft"
+                        else {"runs": []}
                         for v in variants
                     },
                 }
@@ -576,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
                         folder = base / workload / str(nproc) / variant.name / str(repeat)
                         spec = RunSpec(
                             workload=workload,
-                            budget_s=args.budget_s,
+                            budget_s=budgets[workload],
                             points=args.points,
                             seed=args.seed,
                             slow_rank=-1 if variant.kind == "solo" else nproc - 1,
@@ -613,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
             for v in variants
         },
         "settings": {
-            "budget_s": args.budget_s,
+            "budget_s": budgets,
             "repeats": args.repeats,
             "points": args.points,
             "workloads": {w: WORKLOADS[w].description for w in args.workloads},
@@ -654,7 +692,7 @@ def print_table(result: dict[str, Any]) -> None:
 
     print(
         f"\n{'cell':<10} {'variant':<18} {'loss@budget':>11} {'t->solo s':>9} {'x solo':>7} "
-        f"{'t->ddp s':>8} {'x ddp':>6} {'steps0':>7} {'load':>11}"
+        f"{'t->ddp s':>8} {'x ddp':>6} {'x tft':>6} {'steps0':>7} {'load':>11}"
     )
     for row in result["table"]:
         print(
@@ -663,6 +701,7 @@ def print_table(result: dict[str, Any]) -> None:
             f"{show(row['speedup_to_quality_vs_solo'], '.2f'):>7} "
             f"{show(row['time_to_ddp_loss_s'], '.1f'):>8} "
             f"{show(row['speedup_to_quality_vs_ddp'], '.2f'):>6} "
+            f"{show(row['speedup_to_quality_vs_torchft'], '.2f'):>6} "
             f"{show(row['steps_rank0'], '.0f'):>7} "
             f"{row['load_before']:>5}-{row['load_after']:<5}"
         )

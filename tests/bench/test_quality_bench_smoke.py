@@ -1,8 +1,9 @@
 """Smoke run of bench/quality_bench.py (--quick: digits, 2 ranks, a 3 s budget, one repeat of
 solo, DDP and flodl cadence with the Nesterov outer step) and checks of its helpers, so the
 benchmark keeps working. The figures of a quick run mean nothing; what is checked is that every
-variant trained and was evaluated, the JSON has its keys, torchft is skipped with its reason,
-and no process the bench started is left. Nothing asserts a timing."""
+variant trained and was evaluated, the JSON has its keys, torchft's LocalSGD and DiLoCo ran
+(where torchft and network namespaces are available) or were skipped with their reason, and no
+process the bench started is left. Nothing asserts a timing."""
 
 from __future__ import annotations
 
@@ -104,6 +105,7 @@ def test_corpus_leaves_out_codec_tables_and_is_a_fixed_shuffle(tmp_path: Path) -
 def test_torchft_is_skipped_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torchft", None)  # find_spec -> None: "not installed"
     reason = quality_bench.torchft_unavailable()
+    assert reason is not None
     assert "torchft is not installed" in reason
     assert "bench/requirements-peers.txt" in reason
 
@@ -138,11 +140,20 @@ def test_quick_run_writes_the_results(tmp_path: Path) -> None:
     assert (cell["workload"], cell["layout"]["ranks"], cell["repeats"]) == ("digits", 2, 1)
     variants = cell["variants"]
     assert list(variants) == list(quality_bench.QUICK)
-    for name in ("torchft-localsgd", "torchft-diloco"):
-        assert variants[name] == {"skipped": cell["torchft_skipped"]}
-    assert cell["torchft_skipped"]
+    peers = ("torchft-localsgd", "torchft-diloco")
+    skipped = quality_bench.torchft_unavailable()
+    assert cell["torchft_skipped"] == skipped
+    trained = ["solo", "ddp", "cadence+nesterov"] + ([] if skipped else list(peers))
+    if skipped:
+        for name in peers:
+            assert variants[name] == {"skipped": skipped}
+    else:
+        assert cell["torchft_reference"] in peers
+        assert cell["torchft_loss_at_budget"] == quality_bench.reference_loss(
+            cell, cell["torchft_reference"]
+        )
     pids: list[int] = []
-    for name in ("solo", "ddp", "cadence+nesterov"):
+    for name in trained:
         variant = variants[name]
         (run,) = variant["runs"]
         assert "error" not in run, run.get("error")
@@ -152,7 +163,15 @@ def test_quick_run_writes_the_results(tmp_path: Path) -> None:
             assert set(variant[key]) == {"median", "min", "max", "per_repeat"}
         for key in ("speedup_to_quality_vs_solo", "speedup_to_quality_vs_ddp"):
             assert set(variant[key]) == {"median", "min", "max", "per_repeat"}
-        assert variant["speedup_to_quality_vs_torchft"] is None
+        if skipped:
+            assert variant["speedup_to_quality_vs_torchft"] is None
+        else:
+            assert set(variant["speedup_to_quality_vs_torchft"]) == {
+                "median",
+                "min",
+                "max",
+                "per_repeat",
+            }
         pids += run["pids"]
     assert cell["solo_loss_at_budget"] == variants["solo"]["runs"][0]["loss_at_budget"]
     assert variants["solo"]["time_to_solo_loss"]["median"] is not None  # its own end, at least
@@ -160,8 +179,9 @@ def test_quick_run_writes_the_results(tmp_path: Path) -> None:
     assert (flodl["exit_code"], flodl["status"]) == (0, "completed")  # ended by rank.stop()
     assert len(flodl["per_rank"]) == 2 and flodl["rounds"] >= 1
     assert "--outer nesterov" in variants["cadence+nesterov"]["runs"][0]["commands"][0]
-    assert [row["variant"] for row in result["table"]] == ["solo", "ddp", "cadence+nesterov"]
-    # Every process: the solo one, 2 DDP ranks, the launcher and its 2 ranks; none is left.
-    assert len(set(pids)) == 6
+    assert [row["variant"] for row in result["table"]] == trained
+    # Every process: the solo one, 2 DDP ranks, the launcher and its 2 ranks, and for each
+    # torchft peer its runner, lighthouse and 2 replicas; none is left.
+    assert len(set(pids)) == 6 + (0 if skipped else 8)
     assert result["leftover_processes"] == []
     assert not [pid for pid in pids if quality_procs.alive(pid)]
