@@ -200,12 +200,14 @@ def gap_piece(
         torch.sub(block, flat_source[start : start + step], out=gap)
         diff.append(squared_norm(gap))
         post.append(squared_norm(block))
-    return [_sum(diff), _sum(post)]
+    return [_sum(diff, average.device), _sum(post, average.device)]
 
 
-def _sum(squares: list[torch.Tensor]) -> torch.Tensor:
+def _sum(squares: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The float64 sum of 0-d ``squares``, on ``device`` (where the piece lives, so an empty
+    piece's zero stacks with the other pieces' sums)."""
     if not squares:
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack([q.to(torch.float64) for q in squares]).sum()
 
 
@@ -234,8 +236,9 @@ def _sampled_gap(
     count = 0
     for lo, hi in sample.spans(start, n):  # the torch path (no numba): one block at a time
         block_diff, block_post = gap_piece(average[lo:hi], flat_source[lo:hi], spare)
-        diffs.append(torch.as_tensor(block_diff))  # a float where a short block took the loop
-        posts.append(torch.as_tensor(block_post))
+        # A float where a short block took the loop.
+        diffs.append(torch.as_tensor(block_diff, device=average.device))
+        posts.append(torch.as_tensor(block_post, device=average.device))
         count += hi - lo
     scale = n / max(count, 1)
-    return [_sum(diffs) * scale, _sum(posts) * scale]
+    return [_sum(diffs, average.device) * scale, _sum(posts, average.device) * scale]

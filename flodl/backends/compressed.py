@@ -73,7 +73,8 @@ def average_moves(
     collective fails.
     """
     mass = mass_of(batches, 1.0)
-    sums = torch.tensor([mass, 1.0 if mass > 0 else 0.0], dtype=torch.float64)
+    device = params[0].device if params else torch.device("cpu")  # NCCL reduces device memory
+    sums = torch.tensor([mass, 1.0 if mass > 0 else 0.0], dtype=torch.float64, device=device)
     comm.allreduce(sums, dist.ReduceOp.SUM)
     total, movers = (float(x) for x in sums.tolist())
     pre_norm = combine_norms([norm32(p.detach()) for p in params])

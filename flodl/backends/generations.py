@@ -10,11 +10,18 @@ library can.
 Dropping the last reference to a group with a pending op blocks until the op ends (gloo), so
 retired groups wait in a graveyard and are released only in worker threads, once their ops
 have ended; :meth:`Generations.close` waits for every release.
+
+Aborting a communicator can block (``ncclCommAbort`` with dead peers, NVIDIA/nccl#863), so it
+never runs on the trio thread: each abort gets a thread of its own, its errors are logged, and
+the event loop (the heartbeats) goes on meanwhile. Where the library cannot run a new group's
+collectives beside an old group being torn down (NCCL), ``settle_before_next`` makes a join
+wait, bounded, for the aborts and releases of the older generations before it returns.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -31,6 +38,7 @@ from flodl.backends.pipeline import PendingOp
 from flodl.errors import BackendError, CollectiveAborted
 
 T = TypeVar("T")
+log = logging.getLogger("flodl.backends")
 
 
 class Comm(Protocol):
@@ -45,7 +53,8 @@ class Comm(Protocol):
         ...
 
     def abandon(self) -> None:
-        """Called on the trio thread: make any op stuck in another thread end soon."""
+        """Make any op stuck in another thread end soon. Runs in a thread of its own (it may
+        block); what it raises is logged."""
         ...
 
     def release(self, broken: bool) -> None:
@@ -100,32 +109,67 @@ def _release_corpses(corpses: list[_Corpse], wait_s: float, *, collect: bool) ->
         corpse = corpses.pop()
         for ev in corpse.pending:
             ev.wait(wait_s)
-        try:
-            corpse.comm.release(corpse.broken)
-        except Exception:  # a broken group may complain on teardown; it is gone either way
-            pass
+        _quietly(corpse.comm.release, corpse.broken)
         del corpse
     if collect:
         gc.collect()
+
+
+def _quietly(teardown: Callable[..., None], *args: object) -> None:
+    """Run a teardown step; a broken group may complain, and it is gone either way: logged."""
+    try:
+        teardown(*args)
+    except Exception as err:
+        log.warning("tearing down a group: %s: %s", type(err).__name__, err)
+
+
+class _Building:
+    """A communicator being built in a thread whose join may be cancelled: whichever of the
+    builder (:meth:`keep`) and the cancelled join (:meth:`drop`) comes second tears it down."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._comm: Comm | None = None
+        self._dropped = False
+
+    def keep(self, comm: Comm) -> Comm:
+        """Builder thread: hand over ``comm``; released here (broken) if the join was dropped."""
+        with self._lock:
+            if not self._dropped:
+                self._comm = comm
+                return comm
+        _quietly(comm.release, True)
+        return comm
+
+    def drop(self) -> Comm | None:
+        """The join was cancelled: the communicator already built (the caller tears it down),
+        or None (the builder will, once it has one)."""
+        with self._lock:
+            self._dropped = True
+            comm, self._comm = self._comm, None
+            return comm
 
 
 class Generations:
     """The current generation of a backend's group, the stores it hosts, the retired ones.
 
     ``name`` (the backend's) prefixes error messages; ``op_timeout`` bounds how long a
-    release waits for each op left pending on a retired generation.
+    release waits for each op left pending on a retired generation. ``settle_before_next``:
+    a join returns only once the older generations' aborts and releases have ended (at most
+    about ``op_timeout``).
     """
 
-    def __init__(self, name: str, op_timeout: float) -> None:
+    def __init__(self, name: str, op_timeout: float, *, settle_before_next: bool = False) -> None:
         self.name = name
         self.op_timeout = op_timeout
+        self.settle_before_next = settle_before_next
         self.current: Generation | None = None
         self.hosted: dict[int, TCPStore] = {}
         """The stores this process hosts, by generation; each is held until it retires."""
         self.closed = False
         self._graveyard: list[_Corpse] = []
         self._burials: list[threading.Event] = []
-        """Groups being released in their own threads; :meth:`close` waits for them."""
+        """Aborts and releases running in their own threads; :meth:`close` waits for them."""
         # Abandoned threads hold a token until their op ends: keep them off trio's default.
         self._limiter = trio.CapacityLimiter(64)
 
@@ -155,7 +199,21 @@ class Generations:
             ticket.abandoned = True
             ticket.scope.cancel()
         if gen.comm is not None:
-            gen.comm.abandon()
+            self._in_thread(_quietly, gen.comm.abandon)
+
+    def _in_thread(self, fn: Callable[..., None], *args: object) -> None:
+        """Run ``fn(*args)`` in a thread of its own, not awaited; :meth:`close` (and a join
+        with ``settle_before_next``) waits for it."""
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                fn(*args)
+            finally:
+                done.set()
+
+        trio.lowlevel.start_thread_soon(run, lambda _outcome: None)
+        self._burials.append(done)
 
     def _retire(self, gen: Generation) -> None:
         """Move ``gen`` to the graveyard; ops still running on it are abandoned first."""
@@ -203,8 +261,10 @@ class Generations:
         parsed = GroupInfo.decode(info)
         timeout = timedelta(seconds=join_timeout)
 
+        building = _Building()
+
         def build() -> Comm:
-            return make_comm(connect_store(parsed, timeout))
+            return building.keep(make_comm(connect_store(parsed, timeout)))
 
         try:
             comm = await trio.to_thread.run_sync(
@@ -215,11 +275,30 @@ class Generations:
                 f"{self.name}: could not form group generation {generation} "
                 f"as rank {rank}/{world_size}: {err}"
             ) from err
+        except trio.Cancelled:
+            built = building.drop()
+            if built is not None:  # formed just as the join was cancelled: tear it down
+                self._in_thread(_quietly, built.release, True)
+            raise
         old = self.current
         self.current = Generation(generation, rank, world_size, comm)
         if old is not None:
             self._retire(old)
         self._bury_idle()
+        if self.settle_before_next:
+            await self._settle()
+
+    async def _settle(self) -> None:
+        """Wait (in a thread, at most about ``op_timeout`` each) for the aborts and releases
+        started so far. Cancelled: they go on in their threads."""
+        pending, wait_s = list(self._burials), self.op_timeout
+
+        def wait() -> None:
+            for done in pending:
+                done.wait(wait_s)
+
+        await trio.to_thread.run_sync(wait, abandon_on_cancel=True)
+        self._burials = [done for done in self._burials if not done.is_set()]
 
     def _bury_idle(self) -> None:
         """Release retired groups whose ops have all ended, in a thread of their own.

@@ -2,20 +2,29 @@
 
 A collective stuck on a dead peer is ended by aborting the communicator (``ncclCommAbort``),
 which makes the stuck kernel return; because an aborted op may "succeed" with garbage, the
-worker checks the abort flag after the op and discards the result.
+worker checks the abort flag after the op and discards the result. Each op is waited for
+with a timeout (:func:`finish_work`): a bare ``work.wait()`` only makes the current CUDA
+stream wait and returns normally after torch's watchdog ended a stalled kernel, which would
+install partial sums as the average.
 
-``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 3 in torch (tear the process down on a
-watchdog error); an elastic run must survive a peer's death, so unless the user set it, this
-backend sets it to 2 (abort the communicator only) before building its first group.
-Only usable where ``dist.is_nccl_available() and torch.cuda.is_available()``.
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` in modes 1 and 3 (torch's default is 3, torchrun sets 1)
+makes torch's watchdog tear the process down about a minute after any NCCL error or timeout,
+even once flodl has aborted the group; an elastic run must outlive a peer's death. So this
+backend sets it to 2 (abort the communicator only) whatever the environment says, before its
+first group, and logs the override once (:func:`own_error_handling`).
+
+Retired groups are aborted, not shut down: ``shutdown()`` waits for pending work, which a dead
+peer never finishes. Only usable where ``dist.is_nccl_available() and torch.cuda.is_available()``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from collections.abc import MutableMapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,6 +36,54 @@ from flodl.backends.torch_backend import DEFAULT_VERIFY_EVERY, TorchDistBackend
 from flodl.errors import BackendError
 
 ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+ERROR_HANDLING_MODE = "2"
+"""CleanUpOnly: on an error or timeout the watchdog aborts the communicator and leaves the
+process alone (flodl re-forms the group with the survivors)."""
+
+log = logging.getLogger("flodl.backends.nccl")
+
+
+def own_error_handling(environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Set :data:`ERROR_HANDLING_ENV` to :data:`ERROR_HANDLING_MODE` in ``environ`` (default
+    ``os.environ``); return the value it replaced (None: unset or already that), logged once
+    as a warning. Must run before the first ``ProcessGroupNCCL`` is built (torch reads it
+    there)."""
+    env = os.environ if environ is None else environ
+    previous = env.get(ERROR_HANDLING_ENV)
+    env[ERROR_HANDLING_ENV] = ERROR_HANDLING_MODE
+    if previous is None or previous == ERROR_HANDLING_MODE:
+        return None
+    log.warning(
+        "%s=%s would let torch's watchdog kill this process after an NCCL error, which an "
+        "elastic run must survive; flodl sets it to %s (abort the communicator only)",
+        ERROR_HANDLING_ENV,
+        previous,
+        ERROR_HANDLING_MODE,
+    )
+    return previous
+
+
+class Work(Protocol):
+    """What :func:`finish_work` needs of a ``torch.distributed`` work handle."""
+
+    def wait(self, timeout: timedelta = ...) -> bool: ...
+
+    def exception(self) -> object: ...
+
+
+def finish_work(work: Work, timeout: timedelta) -> None:
+    """Block this thread until ``work`` has ended, at most ``timeout``; RuntimeError unless it
+    succeeded (it timed out, torch raised, or it holds an error). On a timeout torch aborts
+    the communicator, so the op is over either way when this returns or raises."""
+    try:
+        completed = work.wait(timeout)
+    except RuntimeError as err:
+        raise RuntimeError(f"NCCL op failed: {err}") from err
+    if not completed:
+        raise RuntimeError(f"NCCL op did not complete within {timeout.total_seconds():g} s")
+    error = work.exception()
+    if error is not None:
+        raise RuntimeError(f"NCCL op failed: {error}")
 
 
 def nccl_usable() -> bool:
@@ -58,6 +115,7 @@ class NcclComm:
         options._timeout = self._timeout
         self._pg: Any = ProcessGroupNCCL(store, rank, world_size, options)  # stubs lack allreduce
         self._aborted = threading.Event()
+        self._abort_lock = threading.Lock()
         self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         # Connect now, so joining means every member is there (as with gloo).
         self._pg.eager_connect_single_device(device)
@@ -68,11 +126,14 @@ class NcclComm:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp(op)
         opts.timeout = self._timeout
+        # This thread's device first: leaving ``torch.cuda.stream`` restores the thread's
+        # current device, which would otherwise be device 0 (a context there for every rank).
+        torch.cuda.set_device(self._device)
         # The op must see what the calling thread's stream wrote into ``tensor``.
         self._stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(self._stream):
             work = self._pg.allreduce([tensor], opts)
-            work.wait()
+        finish_work(work, self._timeout)
         self._stream.synchronize()
         if self._aborted.is_set():
             raise RuntimeError("NCCL communicator was aborted during the op")
@@ -83,22 +144,29 @@ class NcclComm:
         return _Done()
 
     def abandon(self) -> None:
-        """Abort the communicator: a kernel stuck on a dead peer returns."""
-        if not self._aborted.is_set():
+        """Abort the communicator: a kernel stuck on a dead peer returns. May block while
+        NCCL tears down (NVIDIA/nccl#863), so it is called off the trio thread."""
+        with self._abort_lock:
+            if self._aborted.is_set():
+                return
             self._aborted.set()
-            self._pg.abort()
+        self._pg.abort()
 
     def release(self, broken: bool) -> None:
-        if broken:
-            self.abandon()
-        else:
-            self._pg.shutdown()
+        """Abort, broken or not: ``shutdown()`` would wait for work a dead peer never ends."""
+        self.abandon()
 
 
 class NcclBackend(TorchDistBackend):
     """Parameter averaging over NCCL (CUDA tensors on ``device``)."""
 
     name = "nccl"
+    scratch_keep = 1
+    settle_before_next = True
+    """An old communicator is aborted before the new one runs a collective: NCCL does not
+    promise that an abort beside another communicator's kernels on the device returns."""
+    """One scratch buffer per GPU: device memory is what a model's size is bounded by, and a
+    round takes the buffer the previous one gave back."""
 
     def __init__(
         self,
@@ -127,7 +195,7 @@ class NcclBackend(TorchDistBackend):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)
-        os.environ.setdefault(ERROR_HANDLING_ENV, "2")
+        own_error_handling()
 
     def _make_comm(self, store: Store, rank: int, world_size: int, host: str) -> Comm:
         torch.cuda.set_device(self.device)

@@ -71,6 +71,11 @@ class TorchDistBackend:
     default_norm_sample: NormSample | None = None
     """How the divergence norms are sampled when the constructor gets no ``norm_sample``
     (None: exact, every element read)."""
+    scratch_keep: int = 2
+    """Idle scratch buffers kept between rounds (each the model's size, float32 or wider)."""
+    settle_before_next: bool = False
+    """Whether joining a group waits for the older groups' aborts and releases to end
+    (:class:`~flodl.backends.generations.Generations`)."""
 
     def __init__(
         self,
@@ -120,7 +125,7 @@ class TorchDistBackend:
             self.default_bucket_elements if bucket_elements is None else bucket_elements
         )
         self._plan: BucketPlan | None = None
-        self._pool = ScratchPool()
+        self._pool = ScratchPool(self.scratch_keep)
         self._installed: Scratch | None = None
         """The scratch buffer the live parameters are views of, after a swapping round."""
         self.swap_parameters = (
@@ -129,7 +134,9 @@ class TorchDistBackend:
         self.norm_sample: NormSample | None = (
             self.default_norm_sample if norm_sample is True else norm_sample or None
         )
-        self._groups = Generations(self.name, op_timeout)
+        self._groups = Generations(
+            self.name, op_timeout, settle_before_next=self.settle_before_next
+        )
         self._lock = trio.Lock()
 
     # --- subclass hooks -------------------------------------------------------------------

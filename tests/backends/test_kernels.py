@@ -260,3 +260,16 @@ def test_a_sampled_gap_sees_drift_spread_over_a_large_tensor() -> None:
     hidden[sample.block + 10 : sample.every - 10] += 1.0  # between the first two blocks
     diff, _ = gap_norms(gap_piece(hidden, own, torch.empty(1024), sample, 0))
     assert diff == 0.0
+
+
+@pytest.mark.parametrize("sample", [None, NormSample(block=2, every=4, whole_below=0)])
+def test_an_empty_piece_s_norms_live_on_the_piece_s_device(sample: NormSample | None) -> None:
+    # A zero-element parameter (a common device marker) lands as an empty piece; its zero
+    # norms must stack with the other pieces' sums, which live on the model's device (a GPU
+    # there; the meta device stands in for it here: no data, just the device).
+    empty = torch.empty(0, device="meta")
+    spare = torch.empty(4, device="meta")
+    norms = gap_piece(empty, empty, spare, sample)
+    assert isinstance(norms, list)
+    assert [n.device.type for n in norms] == ["meta", "meta"]
+    assert [n.dtype for n in norms] == [torch.float64, torch.float64]
