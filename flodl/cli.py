@@ -207,6 +207,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: from Slurm's or torchrun's variables",
     )
+    worker.add_argument(
+        "--local-rank",
+        type=int,
+        default=None,
+        help="this worker's index on its host: nccl trains on GPU LOCAL_RANK (with --rank; "
+        "default: LOCAL_RANK, else 0)",
+    )
+    worker.add_argument(
+        "--local-world-size",
+        type=int,
+        default=None,
+        help="the workers on this host (with --rank; default: LOCAL_WORLD_SIZE, else "
+        "--local-rank + 1)",
+    )
     # Unset, these are the coordinator's (RunSettings); set, they must agree with it.
     worker.add_argument(
         "--backend",

@@ -72,17 +72,18 @@ def open_backend(
 ) -> Backend:
     """A new backend by name; ``options`` go to its constructor (``op_timeout``, ...).
 
-    nccl without a ``device`` option takes GPU ``local_rank`` (modulo the GPUs visible), the
-    torchrun convention: the training script should put its model there too.
+    nccl without a ``device`` option takes GPU ``local_rank``, the torchrun convention (the
+    training script puts its model there too); ConfigError if this host has no such GPU.
     """
     resolved = resolve_backend_name(name, local_world_size)
     if resolved == "nccl":
         import torch
 
+        from flodl.backends.devices import gpu_for
         from flodl.backends.nccl import NcclBackend
 
-        if "device" not in options and torch.cuda.device_count() > 0:
-            options["device"] = torch.device("cuda", local_rank % torch.cuda.device_count())
+        if "device" not in options:
+            options["device"] = gpu_for(local_rank, torch.cuda.device_count())
         return NcclBackend(**options)
     from flodl.backends.gloo import GlooBackend
 

@@ -194,9 +194,10 @@ class NcclBackend(TorchDistBackend):
         )
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        self.device = torch.device(device)
+        self.device: torch.device | None = torch.device(device)
         own_error_handling()
 
     def _make_comm(self, store: Store, rank: int, world_size: int, host: str) -> Comm:
+        assert self.device is not None
         torch.cuda.set_device(self.device)
         return NcclComm(store, rank, world_size, self.op_timeout, self.device)

@@ -37,6 +37,7 @@ from flodl.averaging.mass import (
 )
 from flodl.backends.base import DEFAULT_ALPHA, AverageResult
 from flodl.backends.compressed import LandedMoves, average_moves
+from flodl.backends.devices import StepBoundary, on_device
 from flodl.backends.generations import Comm as Comm  # the communicator subclasses build
 from flodl.backends.generations import Generation, Generations, Ticket
 from flodl.backends.pipeline import (
@@ -73,6 +74,8 @@ class TorchDistBackend:
     (None: exact, every element read)."""
     scratch_keep: int = 2
     """Idle scratch buffers kept between rounds (each the model's size, float32 or wider)."""
+    device: torch.device | None = None
+    """Where this backend averages (None: wherever the model lies, on one device)."""
     settle_before_next: bool = False
     """Whether joining a group waits for the older groups' aborts and releases to end
     (:class:`~flodl.backends.generations.Generations`)."""
@@ -134,6 +137,9 @@ class TorchDistBackend:
         self.norm_sample: NormSample | None = (
             self.default_norm_sample if norm_sample is True else norm_sample or None
         )
+        self.steps = StepBoundary()
+        """The training loop marks each batch's end here (``flodl.worker.join`` does); rounds
+        read the parameters only after it (a loop stepping under its own CUDA stream)."""
         self._groups = Generations(
             self.name, op_timeout, settle_before_next=self.settle_before_next
         )
@@ -251,7 +257,8 @@ class TorchDistBackend:
             return landed
 
         try:
-            return await self._groups.run(gen, work)
+            steps = self.steps if live is not None else None
+            return await self._groups.run(gen, on_device(scratch.flat.device, work, steps))
         except _GroupVerifyFailed as err:
             self._groups.break_(gen)
             raise BackendError(f"{self.name} generation {gen.number}: {err}") from None
@@ -280,7 +287,12 @@ class TorchDistBackend:
         viewed = False
         if not landed.skipped:
             viewed = await trio.to_thread.run_sync(
-                install, scratch.flat, layout, params, buffers, self.swap_parameters
+                on_device(layout.device, install),
+                scratch.flat,
+                layout,
+                params,
+                buffers,
+                self.swap_parameters,
             )
         self._keep_installed(scratch if viewed else None, params)
         if not viewed:
@@ -308,9 +320,10 @@ class TorchDistBackend:
                 abandoned = lambda: ticket.abandoned  # noqa: E731
                 return average_moves(comm, params, buffers, reference, batches, dtype, abandoned)
 
-            landed = await self._groups.run(gen, work)
+            device = params[0].device if params else None
+            landed = await self._groups.run(gen, on_device(device, work, self.steps))
         if not landed.result.skipped:  # not abandonable: once landed, installed whole
-            await trio.to_thread.run_sync(landed.install, params, buffers)
+            await trio.to_thread.run_sync(on_device(device, landed.install), params, buffers)
         return landed.result
 
     async def share_newest(self, tensors: Sequence[torch.Tensor], version: int) -> int:
@@ -330,7 +343,8 @@ class TorchDistBackend:
                     comm, tensors, version, gen.rank, gen.world_size, lambda: ticket.abandoned
                 )
 
-            return await self._groups.run(gen, work)
+            device = tensors[0].device if tensors else None
+            return await self._groups.run(gen, on_device(device, work, self.steps))
 
     def _keep_installed(self, scratch: Scratch | None, params: Sequence[torch.Tensor]) -> None:
         """``scratch`` now holds live parameters (None: it does not); the buffer that held
@@ -361,7 +375,15 @@ class TorchDistBackend:
         gen = self._groups.live()
         plan = self._plan_for(layout)
         scratch = self._pool.take(plan)
-        await trio.to_thread.run_sync(pack, params, buffers, layout, batches, gamma, scratch.flat)
+        await trio.to_thread.run_sync(
+            on_device(layout.device, pack, self.steps),
+            params,
+            buffers,
+            layout,
+            batches,
+            gamma,
+            scratch.flat,
+        )
         pending = BackgroundAverage(layout, self._pool)
         nursery.start_soon(self._background_round, gen, plan, scratch, pending)
         return pending

@@ -72,13 +72,31 @@ def _tasks_on_this_node(env: Mapping[str, str]) -> int:
 
 
 def layout_from(
-    env: Mapping[str, str], *, rank: int | None = None, world_size: int | None = None
+    env: Mapping[str, str],
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
 ) -> RankLayout:
     """The layout the flags give (both ``rank`` and ``world_size``), else torchrun's
     variables (a process torchrun started: ``TORCHELASTIC_RUN_ID`` is set), else Slurm's
-    (``SLURM_PROCID``). ConfigError saying what is missing, or which variable is bad."""
+    (``SLURM_PROCID``). ConfigError saying what is missing, or which variable is bad.
+
+    With the flags, the place on the host comes from ``local_rank`` and ``local_world_size``
+    (``--local-rank``, ``--local-world-size``), else from ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` where set, else 0 of 1 (one worker on the host): never every worker
+    of a host on GPU 0 unless that is what was said."""
     if rank is not None and world_size is not None:
-        return RankLayout(rank, world_size)
+        if local_rank is None and env.get("LOCAL_RANK", "").strip():
+            local_rank = _int(env, "LOCAL_RANK")
+        if local_world_size is None and env.get("LOCAL_WORLD_SIZE", "").strip():
+            local_world_size = _int(env, "LOCAL_WORLD_SIZE")
+        local = 0 if local_rank is None else local_rank
+        size = local + 1 if local_world_size is None else local_world_size
+        return RankLayout(rank, world_size, local, size)
+    if local_rank is not None or local_world_size is not None:
+        raise ConfigError("--local-rank and --local-world-size go with --rank and --world-size")
     if rank is not None or world_size is not None:
         raise ConfigError("give both --rank and --world-size, or neither (scheduler's layout)")
     if env.get("TORCHELASTIC_RUN_ID"):

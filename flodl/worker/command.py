@@ -48,7 +48,17 @@ def run_worker_command(args: argparse.Namespace) -> int:
         check_at_least("--rank", args.rank, 0)
     if args.rank is not None and args.world_size is not None and args.rank >= args.world_size:
         raise ConfigError(f"--rank must be below --world-size ({args.world_size}), got {args.rank}")
-    layout = layout_from(os.environ, rank=args.rank, world_size=args.world_size)
+    if args.local_rank is not None:
+        check_at_least("--local-rank", args.local_rank, 0)
+    if args.local_world_size is not None:
+        check_at_least("--local-world-size", args.local_world_size, 1)
+    layout = layout_from(
+        os.environ,
+        rank=args.rank,
+        world_size=args.world_size,
+        local_rank=args.local_rank,
+        local_world_size=args.local_world_size,
+    )
     if args.heartbeat_timeout is not None:
         check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
     check_seconds("--join-timeout", args.join_timeout)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, SupportsFloat, TypeVar
 import attrs
 import trio
 
+from flodl.backends.devices import bind_thread, step_marker
 from flodl.errors import ConfigError, CoordinatorError, FlodlError
 from flodl.wire.messages import EpochAggregated
 from flodl.worker.config import WorkerConfig
@@ -89,6 +90,8 @@ class Rank:
         self._exit_error: BaseException | None = None
         self._outstanding = False
         """A batch was handed out and its done() has not been called yet."""
+        self._mark_step: Callable[[], None] | None = None
+        """Marks a batch's end for the backend (a model on a GPU only)."""
 
     # --- context manager ------------------------------------------------------------------
 
@@ -108,6 +111,10 @@ class Rank:
                 raise error
             raise CoordinatorError("the rank's trio thread ended before connecting")
         assert self._token is not None
+        # The training loop's thread on the rank's GPU (nccl: cuda:LOCAL_RANK), so what the
+        # script creates without a device index lands where the backend averages.
+        bind_thread(getattr(self._worker.backend, "device", None))
+        self._mark_step = step_marker(self._worker.backend, self._model)
         self._signals = StopOnSignals(self._worker, self._token)
         self._signals.install()  # under `flodl worker` only (flodl/worker/signals.py)
         return self
@@ -245,6 +252,8 @@ class Rank:
             raise ConfigError("done() without a batch handed out by batches() (or done twice)")
         self._outstanding = False
         assert token is not None
+        if self._mark_step is not None:
+            self._mark_step()
         try:
             token.run_sync_soon(worker.batch_done_soon, value, float(data_ms))
         except trio.RunFinishedError:

@@ -30,6 +30,7 @@ import trio
 
 from flodl.averaging.dtypes import reduce_dtype
 from flodl.averaging.outer import OuterOptimizer
+from flodl.backends.devices import check_model_devices, named_tensors
 from flodl.core.common.job import Job
 from flodl.core.common.work import BatchSlice, EpochOrders
 from flodl.core.rank.effects import (
@@ -436,7 +437,9 @@ async def open_worker(
     """Connect rank ``config.rank`` to its coordinator and serve the protocol during the block.
 
     With ``config.resume`` set, the model (and optimizer) are first loaded from this rank's
-    newest bundle there (CheckpointError if there is none that fits).
+    newest bundle there (CheckpointError if there is none that fits). A model with a
+    parameter or buffer off the backend's device, or split across devices, is a ConfigError
+    (:func:`~flodl.backends.devices.check_model_devices`) before the first round.
     Raises CoordinatorError (or the handshake's typed error) if the coordinator cannot be
     reached. On leaving the block, however it is left (cancellation included), the backend is
     closed (no live process group outlives it), the connection closed and ``rank<N>.json``
@@ -459,6 +462,7 @@ async def open_worker(
                 local_world_size=config.local_world_size,
                 op_timeout=config.collective_timeout,
             )
+        check_model_devices(named_tensors(model), getattr(backend, "device", None), backend.name)
         worker = Worker(config, model, optimizer, backend)
         if restored is not None and worker.outer.active:
             try:

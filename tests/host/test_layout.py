@@ -55,7 +55,23 @@ def test_torchrun_wins_over_slurm_and_flags_over_both() -> None:
     }
     env = {**slurm(0, 0), **torchrun}
     assert layout_from(env) == RankLayout(5, 8, 1, 4, 1, source="torchrun")
-    assert layout_from(env, rank=2, world_size=3) == RankLayout(2, 3)
+    # The flags give the rank and world; the place on the host is still LOCAL_RANK's.
+    assert layout_from(env, rank=2, world_size=3) == RankLayout(2, 3, 1, 4)
+    assert layout_from(env, rank=2, world_size=3, local_rank=0) == RankLayout(2, 3, 0, 4)
+
+
+def test_workers_of_one_host_started_by_hand_get_their_own_gpus() -> None:
+    # `flodl worker --rank R --world-size N` twice on one host: not both on GPU 0.
+    assert layout_from({}, rank=1, world_size=4, local_rank=1) == RankLayout(1, 4, 1, 2)
+    assert layout_from({}, rank=3, world_size=4, local_rank=1, local_world_size=2) == RankLayout(
+        3, 4, 1, 2
+    )
+    assert layout_from({"LOCAL_RANK": "2"}, rank=2, world_size=4) == RankLayout(2, 4, 2, 3)
+    assert layout_from({}, rank=2, world_size=4) == RankLayout(2, 4)  # one worker on the host
+    with pytest.raises(ConfigError, match="go with --rank and --world-size"):
+        layout_from({}, local_rank=1)
+    with pytest.raises(ConfigError, match="local rank 2 is not below the ranks of this host 2"):
+        layout_from({}, rank=0, world_size=4, local_rank=2, local_world_size=2)
 
 
 def test_what_is_missing_or_wrong_is_named() -> None:
