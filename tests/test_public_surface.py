@@ -336,6 +336,8 @@ CLI_FLAGS = {
         "--help",
         "--host",
         "--join-timeout",
+        "--local-rank",
+        "--local-world-size",
         "--master-addr",
         "--master-port",
         "--policy",

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from flodl.backends.nccl import nccl_usable
+from flodl.config import CoordinatorConfig
+from flodl.core.common.policy import Policy
 from flodl.launch.config import LaunchConfig
 from flodl.launch.launcher import launch
 
@@ -23,13 +25,18 @@ pytestmark = [
 DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
 
 
-@pytest.mark.parametrize("backend", ["nccl", "auto"])
-async def test_one_gpu_rank_trains_digits_over_nccl(tmp_path: Path, backend: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "policy"), [("nccl", "cadence"), ("auto", "cadence"), ("nccl", "async")]
+)
+async def test_one_gpu_rank_trains_digits_over_nccl(
+    tmp_path: Path, backend: str, policy: str
+) -> None:
     config = LaunchConfig(
         script=str(DIGITS),
         script_args=("--device", "cuda", "--epochs", "3"),
         nproc=1,
         backend=backend,
+        coordinator=CoordinatorConfig(policy=Policy(policy)),
         run_dir=tmp_path / "run",
         echo=False,
     )
