@@ -7,13 +7,16 @@ import logging
 from datetime import timedelta
 
 import pytest
+import torch
 
+from flodl.averaging.mass import FlatLayout
 from flodl.backends.nccl import (
     ERROR_HANDLING_ENV,
     ERROR_HANDLING_MODE,
     finish_work,
     own_error_handling,
 )
+from flodl.backends.pipeline import BucketPlan, ScratchPool
 
 TIMEOUT = timedelta(seconds=7)
 
@@ -78,3 +81,20 @@ def test_an_unset_mode_is_set_quietly(caplog: pytest.LogCaptureFixture) -> None:
         assert own_error_handling(env) is None
     assert env == {ERROR_HANDLING_ENV: "2"}
     assert caplog.records == []
+
+
+def test_nccl_keeps_one_scratch_buffer_per_gpu() -> None:
+    # GPU memory bounds the model: one buffer the model's size, not two (gloo keeps two).
+    from flodl.backends.gloo import GlooBackend
+    from flodl.backends.nccl import NcclBackend
+
+    assert (NcclBackend.scratch_keep, GlooBackend.scratch_keep) == (1, 2)
+    assert NcclBackend.settle_before_next and not GlooBackend.settle_before_next
+    layout = FlatLayout.of([torch.zeros(4)], [])
+    plan = BucketPlan.of(layout, None)
+    pool = ScratchPool(NcclBackend.scratch_keep)
+    first, second = pool.take(plan), pool.take(plan)
+    pool.give_back(first)
+    pool.give_back(second)  # not kept: a round takes the one the previous gave back
+    assert pool.take(plan) is first
+    assert pool.take(plan) is not second
