@@ -25,6 +25,7 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import Protocol, TypeVar
 
 import attrs
@@ -213,6 +214,7 @@ class Generations:
                 done.set()
 
         trio.lowlevel.start_thread_soon(run, lambda _outcome: None)
+        self._burials = [ended for ended in self._burials if not ended.is_set()]
         self._burials.append(done)
 
     def _retire(self, gen: Generation) -> None:
@@ -303,25 +305,16 @@ class Generations:
     def _bury_idle(self) -> None:
         """Release retired groups whose ops have all ended, in a thread of their own.
 
-        Not awaited: tearing down a group that held a dead peer takes ~200 ms here, and the
-        new group must not wait for it (it is on the recovery path). :meth:`close` waits for
-        every burial, so no group outlives the process (Pitfall P4).
+        Not awaited: tearing down a gloo group that held a dead peer takes ~200 ms here, and
+        the new group must not wait for it (it is on the recovery path); only a backend that
+        asked to ``settle_before_next`` waits. :meth:`close` waits for every burial, so no
+        group outlives the process (Pitfall P4).
         """
         idle = [c for c in self._graveyard if c.idle()]
         if not idle:
             return
         self._graveyard = [c for c in self._graveyard if not c.idle()]
-        done = threading.Event()
-        wait_s = self.op_timeout
-
-        def bury() -> None:
-            try:
-                _release_corpses(idle, wait_s, collect=False)
-            finally:
-                done.set()
-
-        trio.lowlevel.start_thread_soon(bury, lambda _outcome: None)
-        self._burials.append(done)
+        self._in_thread(partial(_release_corpses, idle, self.op_timeout, collect=False))
 
     # --- running ops ----------------------------------------------------------------------
 
