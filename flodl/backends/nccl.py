@@ -150,6 +150,7 @@ class NcclComm:
             if self._aborted.is_set():
                 return
             self._aborted.set()
+        torch.cuda.set_device(self._device)  # this thread's, as every op here (module doc)
         self._pg.abort()
 
     def release(self, broken: bool) -> None:
