@@ -178,6 +178,23 @@ VARIANTS: tuple[Variant, ...] = (
         ("--policy", "cadence", "--window-cap-s", "1"),
         "flodl cadence, no window longer than 1 s",
     ),
+    Variant(
+        "cadence+cap1s+outer1.5",
+        "flodl",
+        (
+            "--policy",
+            "cadence",
+            "--window-cap-s",
+            "1",
+            "--outer",
+            "nesterov",
+            "--outer-lr",
+            "1.5",
+            "--outer-momentum",
+            "0",
+        ),
+        "flodl cadence, windows of at most 1 s and an outer SGD step of 1.5x",
+    ),
     Variant("torchft-localsgd", "torchft", description="torchft LocalSGD (peer)", peer="localsgd"),
     Variant(
         "torchft-diloco",
