@@ -179,6 +179,18 @@ VARIANTS: tuple[Variant, ...] = (
         "flodl cadence, no window longer than 1 s",
     ),
     Variant(
+        "sync+outer1.5",
+        "flodl",
+        ("--policy", "sync", "--outer", "nesterov", "--outer-lr", "1.5", "--outer-momentum", "0"),
+        "flodl sync, an outer SGD step of 1.5x the pseudo-gradient (no momentum)",
+    ),
+    Variant(
+        "async+outer1.5",
+        "flodl",
+        ("--policy", "async", "--outer", "nesterov", "--outer-lr", "1.5", "--outer-momentum", "0"),
+        "flodl async, an outer SGD step of 1.5x the pseudo-gradient (no momentum)",
+    ),
+    Variant(
         "cadence+cap1s+outer1.5",
         "flodl",
         (
