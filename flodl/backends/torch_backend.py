@@ -286,14 +286,9 @@ class TorchDistBackend:
             landed = await self._reduce(gen, plan, scratch, (params, buffers), batches, gamma)
         viewed = False
         if not landed.skipped:
-            viewed = await trio.to_thread.run_sync(
-                on_device(layout.device, install),
-                scratch.flat,
-                layout,
-                params,
-                buffers,
-                self.swap_parameters,
-            )
+            installing = on_device(layout.device, install)
+            flat, swap = scratch.flat, self.swap_parameters
+            viewed = await trio.to_thread.run_sync(installing, flat, layout, params, buffers, swap)
         self._keep_installed(scratch if viewed else None, params)
         if not viewed:
             self._pool.give_back(scratch)
@@ -375,15 +370,8 @@ class TorchDistBackend:
         gen = self._groups.live()
         plan = self._plan_for(layout)
         scratch = self._pool.take(plan)
-        await trio.to_thread.run_sync(
-            on_device(layout.device, pack, self.steps),
-            params,
-            buffers,
-            layout,
-            batches,
-            gamma,
-            scratch.flat,
-        )
+        packing, flat = on_device(layout.device, pack, self.steps), scratch.flat
+        await trio.to_thread.run_sync(packing, params, buffers, layout, batches, gamma, flat)
         pending = BackgroundAverage(layout, self._pool)
         nursery.start_soon(self._background_round, gen, plan, scratch, pending)
         return pending
