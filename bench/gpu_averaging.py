@@ -10,7 +10,7 @@ size on the same communicator; medians over ``--reps`` after ``--warmup``. Two g
 * ``gloo``: two ranks in this process on the one GPU over gloo (CUDA tensors through host
   memory), the realistic ratio on one machine.
 
-Target (the averaging bench's, issue 22): a round at most 1.10x the bare all-reduce for a
+Target (the averaging bench's GPU target): a round at most 1.10x the bare all-reduce for a
 10M-parameter model. Writes ``--output`` (JSON): per group the round's and the all-reduce's
 median milliseconds, their ratio, the reps, the device and torch's version.
 """

@@ -158,13 +158,16 @@ def peer_unavailable() -> str | None:
                 "processes run only in a loopback-only network namespace (util-linux unshare, "
                 "iproute2 ip)"
             )
-    probe = subprocess.run(
-        ["unshare", "-n", "sh", "-c", "ip link set lo up"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    try:
+        probe = subprocess.run(
+            ["unshare", "-n", "sh", "-c", "ip link set lo up"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"cannot create a loopback-only network namespace: {err}"
     if probe.returncode != 0:
         return (
             "cannot create a loopback-only network namespace (`unshare -n` + `ip link set lo "

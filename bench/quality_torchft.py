@@ -51,7 +51,6 @@ One run is ``nproc`` single-process replica groups and a lighthouse, on one mach
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -82,7 +81,6 @@ from quality_task import (
 __all__ = ["ALGORITHMS", "SYNC_EVERY", "run_torchft", "unavailable"]
 
 HERE = Path(__file__).resolve()
-REQUIREMENTS = "bench/requirements-peers.txt"
 ALGORITHMS = ("localsgd", "diloco")
 SYNC_EVERY: dict[str, int] = {"gpt": 24, "digits": 32}
 """Local steps between two syncs, per workload (module docstring: flodl's windows)."""
@@ -103,39 +101,15 @@ TERM_GRACE_S = 5.0
 
 
 def unavailable() -> str | None:
-    """Why the torchft peers cannot run here; None when they can (torchft importable, its
-    lighthouse beside this interpreter, and a loopback-only network namespace creatable)."""
-    if importlib.util.find_spec("torchft") is None:
-        return (
-            "torchft is not installed (a bench extra, never a flodl dependency): install it "
-            f"with `.venv/bin/pip install -r {REQUIREMENTS}` after torch==2.13.0 is present"
-        )
-    if not lighthouse_binary().exists():
-        return f"torchft is installed but {lighthouse_binary()} is missing"
-    for tool in ("unshare", "ip"):
-        if shutil.which(tool) is None:
-            return (
-                f"`{tool}` is not on PATH: torchft's listeners bind every interface, so its "
-                "processes run only in a loopback-only network namespace (util-linux unshare, "
-                "iproute2 ip)"
-            )
-    try:
-        probe = subprocess.run(
-            ["unshare", "-n", "sh", "-c", "ip link set lo up"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return f"cannot create a loopback-only network namespace: {err}"
-    if probe.returncode != 0:
-        return (
-            "cannot create a loopback-only network namespace (`unshare -n` + `ip link set lo "
-            f"up` failed: {(probe.stderr or probe.stdout).strip()}); torchft's listeners bind "
-            "every interface, so the bench does not run it outside one"
-        )
-    return None
+    """Why the torchft peers cannot run here; None when they can (torchft importable, a
+    loopback-only network namespace creatable: ``peers_bench.peer_unavailable``, and torchft's
+    lighthouse beside this interpreter)."""
+    from peers_bench import peer_unavailable  # lazily: the replicas import this module
+
+    reason = peer_unavailable()
+    if reason is None and not lighthouse_binary().exists():
+        reason = f"torchft is installed but {lighthouse_binary()} is missing"
+    return reason
 
 
 def lighthouse_binary() -> Path:

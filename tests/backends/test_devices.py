@@ -15,10 +15,9 @@ from flodl.backends.devices import check_model_devices, gpu_for, named_tensors, 
 from flodl.config import CoordinatorConfig
 from flodl.coordinator.server import open_coordinator
 from flodl.errors import ConfigError
-from flodl.worker import WorkerConfig
 from flodl.worker.runtime import open_worker
+from tests.worker.test_facade import KEY, facade_config
 
-KEY = b"devices-at-join-test-key-0123456789abcdef"
 SPLIT = r"body\.weight is on cpu and marker on meta: the gloo backend averages a model that"
 
 
@@ -73,19 +72,6 @@ async def test_join_refuses_a_model_off_the_backend_s_device(tmp_path: Path) -> 
     config = CoordinatorConfig(heartbeat_interval=0.2, heartbeat_timeout=5.0)
     with trio.fail_after(30):
         async with open_coordinator("tcp://127.0.0.1:0", 1, KEY, config, linger=0) as coordinator:
-            worker_config = WorkerConfig(
-                coordinator=coordinator.url,
-                session_key=KEY,
-                rank=0,
-                world_size=1,
-                backend="gloo",
-                heartbeat_interval=0.2,
-                heartbeat_timeout=5.0,
-                run_dir=tmp_path,
-            )
-            with pytest.raises(
-                ConfigError,
-                match=SPLIT,
-            ):
-                async with open_worker(worker_config, Marked()):
+            with pytest.raises(ConfigError, match=SPLIT):
+                async with open_worker(facade_config(coordinator.url, tmp_path), Marked()):
                     raise AssertionError("joined with a model on two devices")

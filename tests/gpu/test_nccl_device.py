@@ -9,9 +9,9 @@ so exercises the device binding and stream ordering all the same.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 import trio
@@ -21,21 +21,14 @@ from flodl.backends.nccl import ERROR_HANDLING_ENV, NcclBackend, nccl_usable
 from flodl.config import CoordinatorConfig
 from flodl.coordinator.server import open_coordinator
 from flodl.errors import ConfigError
-from flodl.worker import WorkerConfig
 from flodl.worker.runtime import open_worker
+from tests.backends.test_inprocess import form
+from tests.worker.test_facade import KEY, facade_config
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not nccl_usable(), reason="needs a torch build with NCCL and a GPU"),
 ]
-KEY = b"gpu-device-check-key-0123456789abcdef-xyz"
-
-
-async def form(backends: Sequence[GlooBackend | NcclBackend], generation: int) -> None:
-    info = backends[0].prepare_group(generation, "127.0.0.1")
-    async with trio.open_nursery() as nursery:
-        for rank, backend in enumerate(backends):
-            nursery.start_soon(backend.join_group, info, rank, len(backends), generation)
 
 
 async def test_a_zero_size_parameter_and_a_bf16_model_average_on_the_gpu() -> None:
@@ -82,18 +75,9 @@ async def test_cpu_parameters_are_refused_by_nccl_at_join(tmp_path: Path) -> Non
     config = CoordinatorConfig(heartbeat_interval=0.2, heartbeat_timeout=5.0)
     with trio.fail_after(60):
         async with open_coordinator("tcp://127.0.0.1:0", 1, KEY, config, linger=0) as coord:
-            worker_config = WorkerConfig(
-                coordinator=coord.url,
-                session_key=KEY,
-                rank=0,
-                world_size=1,
-                backend="nccl",
-                heartbeat_interval=0.2,
-                heartbeat_timeout=5.0,
-                run_dir=tmp_path,
-            )
+            on_nccl = attrs.evolve(facade_config(coord.url, tmp_path), backend="nccl")
             with pytest.raises(ConfigError, match="weight is on cpu, but the nccl backend"):
-                async with open_worker(worker_config, torch.nn.Linear(3, 2)):
+                async with open_worker(on_nccl, torch.nn.Linear(3, 2)):
                     raise AssertionError("joined with CPU parameters on nccl")
 
 
