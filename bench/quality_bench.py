@@ -22,9 +22,11 @@ thread per process, gloo on CPU, everything on 127.0.0.1.
   (:mod:`quality_baselines`);
 * flodl through the real CLI, ``flodl run --nproc N --backend gloo <flags>
   bench/quality_rank.py`` (:mod:`quality_rank`: ``flodl.worker.join`` and ``rank.batches``),
-  with the flags of the table: ``sync``, ``cadence``, ``async`` (``--policy``), and
-  ``cadence+nesterov``, ``async+nesterov`` (``--outer nesterov --outer-lr 0.7
-  --outer-momentum 0.9``); everything else at flodl's defaults;
+  with the flags of the table: ``sync``, ``cadence``, ``async`` (``--policy``, at flodl's
+  defaults: the outer SGD step of 1.5), ``cadence+plain`` and the like (``--outer none``:
+  plain averaging), ``cadence+nesterov`` (DiLoCo's ``--outer nesterov --outer-lr 0.7
+  --outer-momentum 0.9``), ``cadence+bf16``, ``cadence+cap1s``; everything else at flodl's
+  defaults;
 * torchft ``LocalSGD`` and ``DiLoCo`` as peers (:mod:`quality_torchft`: a lighthouse and one
   replica group per rank in a loopback-only network namespace); where torchft (a bench extra,
   ``bench/requirements-peers.txt``) or namespaces are missing they are recorded as skipped,
@@ -96,6 +98,7 @@ PLOT = HERE.parent / "docs" / "images" / "quality.png"
 QUALITY_RANK = HERE / "quality_rank.py"
 SLOW_FACTOR = 2.5
 NESTEROV = ("--outer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9")
+PLAIN = ("--outer", "none")
 
 
 @attrs.frozen
@@ -119,6 +122,14 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("cadence", "flodl", ("--policy", "cadence"), "flodl, ElChe windows"),
     Variant("async", "flodl", ("--policy", "async"), "flodl, rounds overlap training"),
     Variant(
+        "cadence+plain",
+        "flodl",
+        ("--policy", "cadence", *PLAIN),
+        "flodl cadence, plain averaging (no outer step)",
+    ),
+    Variant("sync+plain", "flodl", ("--policy", "sync", *PLAIN), "flodl sync, plain averaging"),
+    Variant("async+plain", "flodl", ("--policy", "async", *PLAIN), "flodl async, plain averaging"),
+    Variant(
         "cadence+nesterov",
         "flodl",
         ("--policy", "cadence", *NESTEROV),
@@ -131,25 +142,10 @@ VARIANTS: tuple[Variant, ...] = (
         "flodl async, DiLoCo's outer Nesterov step",
     ),
     Variant(
-        "cadence+outer1.5",
-        "flodl",
-        (
-            "--policy",
-            "cadence",
-            "--outer",
-            "nesterov",
-            "--outer-lr",
-            "1.5",
-            "--outer-momentum",
-            "0",
-        ),
-        "flodl cadence, an outer SGD step of 1.5x the pseudo-gradient (no momentum)",
-    ),
-    Variant(
         "cadence+outer2",
         "flodl",
-        ("--policy", "cadence", "--outer", "nesterov", "--outer-lr", "2", "--outer-momentum", "0"),
-        "flodl cadence, an outer SGD step of 2x the pseudo-gradient (no momentum)",
+        ("--policy", "cadence", "--outer", "sgd", "--outer-lr", "2"),
+        "flodl cadence, an outer SGD step of 2x the pseudo-gradient",
     ),
     Variant(
         "cadence+nesterov0.5",
@@ -177,35 +173,6 @@ VARIANTS: tuple[Variant, ...] = (
         "flodl",
         ("--policy", "cadence", "--window-cap-s", "1"),
         "flodl cadence, no window longer than 1 s",
-    ),
-    Variant(
-        "sync+outer1.5",
-        "flodl",
-        ("--policy", "sync", "--outer", "nesterov", "--outer-lr", "1.5", "--outer-momentum", "0"),
-        "flodl sync, an outer SGD step of 1.5x the pseudo-gradient (no momentum)",
-    ),
-    Variant(
-        "async+outer1.5",
-        "flodl",
-        ("--policy", "async", "--outer", "nesterov", "--outer-lr", "1.5", "--outer-momentum", "0"),
-        "flodl async, an outer SGD step of 1.5x the pseudo-gradient (no momentum)",
-    ),
-    Variant(
-        "cadence+cap1s+outer1.5",
-        "flodl",
-        (
-            "--policy",
-            "cadence",
-            "--window-cap-s",
-            "1",
-            "--outer",
-            "nesterov",
-            "--outer-lr",
-            "1.5",
-            "--outer-momentum",
-            "0",
-        ),
-        "flodl cadence, windows of at most 1 s and an outer SGD step of 1.5x",
     ),
     Variant("torchft-localsgd", "torchft", description="torchft LocalSGD (peer)", peer="localsgd"),
     Variant(

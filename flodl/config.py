@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 
 from flodl.averaging.dtypes import AVERAGE_DTYPE_NAMES
-from flodl.averaging.outer import OuterKind
+from flodl.averaging.outer import OuterKind, OuterSettings, check_outer
 from flodl.core.cadence.guards import GuardKind
 from flodl.core.common.policy import Policy
 from flodl.core.coordinator.cycle import default_reduce_stall_ceiling
@@ -347,33 +347,44 @@ class CoordinatorConfig:
     """``bf16``/``fp16``: a round sends each rank's moves since the last round in 16 bits
     (:mod:`flodl.backends.compressed`); costs one more copy of the parameters per rank."""
     outer: str = setting(
-        "none",
+        "sgd",
         check_outer_kind,
         flag=Flag(
             "--outer",
             str,
             metavar="{" + ",".join(OUTER_KINDS) + "}",
-            help="the outer optimizer each round's average goes through: none (plain "
-            "averaging, the default) or nesterov (DiLoCo)",
+            help="the outer optimizer each round's average goes through: sgd (a step of "
+            "--outer-lr along the ranks' common move, the default), nesterov (DiLoCo) or none "
+            "(plain averaging)",
         ),
     )
-    """The outer optimizer (:mod:`flodl.averaging.outer`): ``none`` continues from each
-    round's average; ``nesterov`` applies Nesterov SGD to the round's pseudo-gradient (the
-    last round's weights minus this average). Costs two copies of the parameters per rank."""
-    outer_lr: float = setting(
-        0.7,
-        check_positive,
-        flag=Flag("--outer-lr", metavar="LR", help="the outer optimizer's learning rate (0.7)"),
-    )
-    outer_momentum: float = setting(
-        0.9,
-        check_fraction,
+    """The outer optimizer (:mod:`flodl.averaging.outer`): ``sgd`` continues from a point
+    ``outer_lr`` times the ranks' common move since the last round (1.5: past the average;
+    one copy of the parameters per rank); ``nesterov`` applies Nesterov SGD to that move
+    (DiLoCo; two copies); ``none`` continues from each round's average."""
+    outer_lr: float | None = setting(
+        None,
+        optional(check_positive),
         flag=Flag(
-            "--outer-momentum", metavar="MU", help="the outer optimizer's momentum, in [0, 1) (0.9)"
+            "--outer-lr",
+            metavar="LR",
+            help="the outer optimizer's learning rate (sgd 1.5, nesterov 0.7)",
         ),
     )
+    """None: the kind's (:data:`flodl.averaging.outer.KIND_DEFAULTS`)."""
+    outer_momentum: float | None = setting(
+        None,
+        optional(check_fraction),
+        flag=Flag(
+            "--outer-momentum",
+            metavar="MU",
+            help="the outer optimizer's momentum, in [0, 1) (nesterov 0.9; sgd takes none)",
+        ),
+    )
+    """None: the kind's (:data:`flodl.averaging.outer.KIND_DEFAULTS`)."""
 
     def __attrs_post_init__(self) -> None:
+        self.outer_settings()  # refuses a kind, lr and momentum that do not go together
         if self.average_dtype != "fp32" and self.policy is Policy.ASYNC:
             raise ConfigError(
                 f"average_dtype {self.average_dtype} needs policy sync or cadence (async "
@@ -388,6 +399,10 @@ class CoordinatorConfig:
                 f"heartbeat_interval ({self.heartbeat_interval} s) must be below "
                 f"heartbeat_timeout ({self.heartbeat_timeout} s)"
             )
+
+    def outer_settings(self) -> OuterSettings:
+        """The outer optimizer in force, with the kind's defaults where none was given."""
+        return OuterSettings.of(self.outer, self.outer_lr, self.outer_momentum)
 
     @property
     def stall_ceiling(self) -> float:
@@ -445,6 +460,13 @@ def coordinator_config_from(options: Mapping[str, Any], **others: Any) -> Coordi
         if check is not None:
             check(flag.name, value)
         values[field.name] = value
+    outer = OuterSettings.of(values["outer"], None, None)
+    check_outer(
+        outer.kind.value,
+        outer.lr if values["outer_lr"] is None else values["outer_lr"],
+        outer.momentum if values["outer_momentum"] is None else values["outer_momentum"],
+        ("--outer", "--outer-lr", "--outer-momentum"),
+    )
     timeout, anchor = values["heartbeat_timeout"], values["anchor"]
     default_max = attrs.fields(CoordinatorConfig).max_anchor.default
     if values["max_anchor"] == default_max:

@@ -47,7 +47,11 @@ def script(tmp_path: Path) -> Path:
         (["--outer-lr", "nan"], "--outer-lr must be a number > 0, got nan"),
         (["--outer-momentum", "1"], "--outer-momentum must be a number in [0, 1), got 1.0"),
         (["--outer-momentum", "-0.1"], "--outer-momentum must be a number in [0, 1), got -0.1"),
-        (["--outer", "adam"], "--outer must be one of none, nesterov, got 'adam'"),
+        (["--outer", "adam"], "--outer must be one of none, sgd, nesterov, got 'adam'"),
+        (
+            ["--outer-momentum", "0.5"],
+            "--outer-momentum must be 0 with --outer sgd (nesterov takes a momentum), got 0.5",
+        ),
         (
             ["--average-dtype", "int8"],
             "--average-dtype must be one of fp32, bf16, fp16, got 'int8'",

@@ -54,7 +54,7 @@ TYPED = {
     "max_time": ("120", 120.0),
     "outer": ("nesterov", "nesterov"),
     "outer_lr": ("0.5", 0.5),
-    "outer_momentum": ("0.8", 0.8),
+    "outer_momentum": ("0", 0.0),
 }
 
 

@@ -113,6 +113,7 @@ class Coordinator:
         self._tasks: trio.Nursery | None = None
         """Where the shared readers' tasks run (the coordinator's nursery)."""
         self._readers: dict[type[ChannelReader], ChannelReader] = {}
+        outer = config.outer_settings()
         self.run_settings = RunSettings(
             policy=config.policy.value,
             seed=machine.seed,
@@ -120,9 +121,9 @@ class Coordinator:
             heartbeat_timeout=config.heartbeat_timeout,
             backend=config.backend,
             keep_checkpoints=config.keep_checkpoints or 0,
-            outer=config.outer,
-            outer_lr=config.outer_lr,
-            outer_momentum=config.outer_momentum,
+            outer=outer.kind.value,
+            outer_lr=outer.lr,
+            outer_momentum=outer.momentum,
             average_dtype=config.average_dtype,
         )
         """Sent to each rank first: the settings a worker takes from its coordinator."""

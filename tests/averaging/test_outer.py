@@ -60,14 +60,60 @@ def test_identity_settings_leave_the_average_bitwise(settings: OuterSettings) ->
     assert outer.state_dict() == {} and outer.version == NO_STATE
 
 
-def test_state_bytes_are_two_float32_copies_of_the_parameters() -> None:
+@pytest.mark.parametrize(
+    ("settings", "copies"),
+    [(NESTEROV, 2), (OuterSettings("sgd"), 1), (OuterSettings("nesterov", 1.2, 0.0), 1)],
+)
+def test_state_bytes_are_a_float32_copy_of_the_parameters_per_buffer(
+    settings: OuterSettings, copies: int
+) -> None:
+    """g always; m only where the momentum is above 0 (sgd keeps one copy, nesterov two)."""
     model = [torch.zeros(10, 4), torch.zeros(3, dtype=torch.float16), torch.zeros(2, 2).double()]
-    # g and m each: float32 for float32 and float16 parameters, float64 for float64.
-    assert OuterOptimizer.state_bytes(model) == 2 * (40 * 4 + 3 * 4 + 4 * 8)
-    outer = OuterOptimizer(NESTEROV)
+    # float32 for float32 and float16 parameters, float64 for float64.
+    outer = OuterOptimizer(settings)
+    assert outer.state_bytes(model) == copies * (40 * 4 + 3 * 4 + 4 * 8)
     outer.step([p.clone() for p in model])
+    assert len(outer.tensors()) == copies * len(model)
     held = sum(t.numel() * t.element_size() for t in outer.tensors())
-    assert held == OuterOptimizer.state_bytes(model)
+    assert held == outer.state_bytes(model)
+    assert OuterOptimizer(OuterSettings()).state_bytes(model) == 0
+
+
+def test_sgd_steps_lr_times_the_common_move_from_the_last_global_weights() -> None:
+    """g <- g - lr * (g - a): at lr 1.5 half a move past the average; bitwise what nesterov
+    with momentum 0 computes."""
+    sgd = OuterOptimizer(OuterSettings("sgd"))
+    nesterov = OuterOptimizer(OuterSettings("nesterov", 1.5, 0.0))
+    assert (sgd.settings.lr, sgd.settings.momentum) == (1.5, 0.0)
+    sgd.step(params(0))
+    nesterov.step(params(0))
+    for seed in (1, 2):
+        global_before = [g.clone() for g in sgd.tensors()]
+        averaged, same = params(seed), params(seed)
+        sgd.step(averaged)
+        nesterov.step(same)
+        for a, g, b, s in zip(averaged, global_before, params(seed), same, strict=True):
+            torch.testing.assert_close(a, g + 1.5 * (b - g))
+            assert torch.equal(a, s)
+    assert sgd.version == nesterov.version == 2
+
+
+def test_a_state_saved_with_other_settings_is_taken_up() -> None:
+    """A resume may change the kind: a saved momentum is dropped where none is kept, and a
+    missing one starts at zero."""
+    with_momentum = OuterOptimizer(NESTEROV)
+    for seed in range(3):
+        with_momentum.step(params(seed))
+    without = OuterOptimizer(OuterSettings("sgd"))
+    without.load_state_dict(with_momentum.state_dict(), params(0))
+    assert without.version == 2 and len(without.tensors()) == 2
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(without.tensors(), with_momentum.tensors()[:2], strict=True)
+    )
+    back = OuterOptimizer(NESTEROV)
+    back.load_state_dict(without.state_dict(), params(0))
+    assert [torch.count_nonzero(m).item() for m in back.tensors()[2:]] == [0, 0]
 
 
 def test_state_dict_round_trip_and_misfits() -> None:
@@ -79,7 +125,7 @@ def test_state_dict_round_trip_and_misfits() -> None:
     restored.load_state_dict(state, params(0))
     assert restored.version == outer.version == 2
     assert all(torch.equal(a, b) for a, b in zip(restored.tensors(), outer.tensors(), strict=True))
-    with pytest.raises(ConfigError, match="holds 5 tensors, not the 7"):
+    with pytest.raises(ConfigError, match="holds 5 tensors, which do not fit the 3 parameters"):
         restored.load_state_dict(state, [*params(0), torch.zeros(1)])
     with pytest.raises(ConfigError, match=r"global tensor 0 is \(5, 3\)"):
         restored.load_state_dict(state, [torch.zeros(3, 5), torch.zeros(7)])
@@ -107,7 +153,8 @@ def test_shared_tensors_give_a_rank_without_state_buffers_to_receive_into() -> N
 @pytest.mark.parametrize(
     ("kind", "lr", "momentum", "message"),
     [
-        ("adam", 0.7, 0.9, "outer must be one of none, nesterov, got 'adam'"),
+        ("adam", 0.7, 0.9, "outer must be one of none, sgd, nesterov, got 'adam'"),
+        ("sgd", 1.5, 0.9, r"outer_momentum must be 0 with outer sgd \(nesterov takes"),
         ("nesterov", 0.0, 0.9, "outer_lr must be a finite number > 0, got 0.0"),
         ("nesterov", -1.0, 0.9, "outer_lr must be a finite number > 0"),
         ("nesterov", math.inf, 0.9, "outer_lr must be a finite number > 0"),
@@ -123,5 +170,8 @@ def test_bad_settings_name_the_setting(kind: str, lr: float, momentum: float, me
 
 
 def test_kinds() -> None:
-    assert [k.value for k in OuterKind] == ["none", "nesterov"]
+    assert [k.value for k in OuterKind] == ["none", "sgd", "nesterov"]
     assert OuterSettings().kind is OuterKind.NONE and OuterSettings().is_identity
+    assert OuterSettings("nesterov") == OuterSettings("nesterov", 0.7, 0.9)
+    assert OuterSettings.of("sgd", None, None) == OuterSettings("sgd", 1.5, 0.0)
+    assert OuterSettings.of("nesterov", 0.5, None) == OuterSettings("nesterov", 0.5, 0.9)
