@@ -38,7 +38,8 @@ import cbor2
 import trio
 
 from flodl.transports import connect, open_listener
-from flodl.transports.channel import Channel, accept_rank, connect_rank
+from flodl.transports.channel import Channel
+from flodl.transports.greeting import accept_rank, connect_rank
 from flodl.wire.codec import FrameDecoder, FrameEncoder
 from flodl.wire.messages import Batch, to_payload
 

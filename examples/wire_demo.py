@@ -24,7 +24,8 @@ import trio
 from flodl.coordinator.admission import serve_ranks
 from flodl.errors import WrongKey
 from flodl.transports import connect, open_listener
-from flodl.transports.channel import Channel, connect_rank
+from flodl.transports.channel import Channel
+from flodl.transports.greeting import connect_rank
 from flodl.wire.messages import (
     Batch,
     CoordHeartbeat,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import trio
 
+from flodl.agent.command import add_agent_parser, run_agent_command
 from flodl.config import (
     CoordinatorConfig,
     Policy,
@@ -20,7 +21,7 @@ from flodl.config import (
 )
 from flodl.errors import ConfigError, FlodlError
 from flodl.host.environment import session_key_from_env
-from flodl.launch.config import nproc_of, ranks_of
+from flodl.host.layout import nproc_of, ranks_of
 from flodl.observe.view_config import add_view_flags, view_config_from
 from flodl.worker.command import check_url, run_worker_command
 
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="also write the event log as TensorBoard scalars to DIR (needs flodl[tensorboard])",
     )
+
+    add_agent_parser(commands)
 
     worker = commands.add_parser(
         "worker", help="run SCRIPT as one rank of a remote coordinator", allow_abbrev=False
@@ -399,6 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _coordinator(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "agent":
+            return run_agent_command(args)
         return run_worker_command(args)
     except FlodlError as err:
         print(f"flodl: error: {err}", file=sys.stderr)

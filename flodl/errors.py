@@ -55,6 +55,11 @@ class VersionMismatch(ProtocolError):
     """The peer speaks another protocol version."""
 
 
+class AgentRefused(ProtocolError):
+    """The coordinator will not take a node agent's claim (a node that has an agent, ranks past
+    the world size, a rank the agent does not speak for); the message says why."""
+
+
 class AuthenticationError(WireError):
     """A frame's MAC does not verify under the session key (forged, corrupted or wrong key)."""
 

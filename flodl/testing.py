@@ -48,7 +48,8 @@ from flodl.core.rank.effects import (
 from flodl.core.rank.machine import MeasuredRound, RankMachine
 from flodl.errors import CoordinatorError, FlodlError
 from flodl.transports import connect
-from flodl.transports.channel import Channel, connect_rank
+from flodl.transports.channel import Channel
+from flodl.transports.greeting import connect_rank
 from flodl.wire.messages import (
     CoordHeartbeat,
     IntentKind,

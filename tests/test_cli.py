@@ -241,7 +241,7 @@ def test_nproc_reads_as_torchruns_nproc_per_node() -> None:
 
     import torch
 
-    from flodl.launch.config import nproc_of, ranks_of
+    from flodl.host.layout import nproc_of, ranks_of
 
     assert nproc_of("3") == 3
     assert nproc_of("cpu") == os.cpu_count()

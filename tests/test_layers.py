@@ -34,7 +34,9 @@ FORBIDDEN = [
     ("flodl.supervise", ["flodl.coordinator", "flodl.launch", "flodl.observe", "flodl.worker"]),
     ("flodl.host", ["flodl.coordinator", "flodl.launch", "flodl.observe", "flodl.supervise"]),
     ("flodl.observe", ["flodl.launch", "flodl.supervise"]),
-    ("flodl.coordinator", ["flodl.launch", "flodl.worker", "flodl.observe"]),
+    ("flodl.coordinator", ["flodl.launch", "flodl.worker", "flodl.observe", "flodl.agent"]),
+    # An agent runs on a host without the coordinator: it supervises, it does not train.
+    ("flodl.agent", ["flodl.launch", "flodl.worker", "flodl.observe", "flodl.backends"]),
     ("flodl.worker", ["flodl.coordinator", "flodl.launch", "flodl.supervise", "flodl.observe"]),
     ("flodl.checkpoint", ["flodl.coordinator", "flodl.launch", "flodl.worker", "flodl.observe"]),
 ]

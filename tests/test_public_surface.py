@@ -191,7 +191,8 @@ DOCUMENTED_IMPORTS = [
     ("flodl.transports", "connect"),
     ("flodl.transports", "open_listener"),
     ("flodl.transports.channel", "Channel"),
-    ("flodl.transports.channel", "connect_rank"),
+    ("flodl.transports.greeting", "connect_rank"),
+    ("flodl.transports.greeting", "connect_agent"),
     ("flodl.wire.messages", "Batch"),
     ("flodl.wire.messages", "CoordHeartbeat"),
     ("flodl.wire.messages", "Exiting"),
@@ -258,6 +259,21 @@ def test_bundle_saver_save_on_loss() -> None:
 TOP_LEVEL_FLAGS = ["--help", "-h"]
 
 CLI_FLAGS = {
+    "agent": [
+        "--coordinator",
+        "--help",
+        "--host",
+        "--join-timeout",
+        "--master-addr",
+        "--master-port",
+        "--node-rank",
+        "--nproc",
+        "--quiet",
+        "--restarts",
+        "--run-dir",
+        "--show-ranks",
+        "-h",
+    ],
     "coordinator": [
         "--anchor",
         "--average-dtype",
@@ -349,6 +365,7 @@ CLI_FLAGS = {
 }
 
 CLI_POSITIONALS = {
+    "agent": ["script", "script_args"],
     "coordinator": [],
     "report": ["run_dir"],
     "run": ["script", "script_args"],
@@ -433,6 +450,7 @@ ENV_VARS = {
     "LOCAL_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "NODE_RANK",
     "OMP_NUM_THREADS",
     "PYTHONUNBUFFERED",
     "RANK",
@@ -689,6 +707,10 @@ SAVE_REASONS = {
     "CHECKPOINT": 5,
 }
 
+FROM_AGENT_TAGS = {"AgentJoin": 128, "RankExited": 129, "AgentStop": 130}
+TO_AGENT_TAGS = {"AssignRanks": 160, "RunOver": 161, "AgentRefusal": 162}
+ALL_TAGS = {**TO_RANK_TAGS, **TO_COORDINATOR_TAGS, **FROM_AGENT_TAGS, **TO_AGENT_TAGS}
+
 INTENT_KINDS = {"EVAL_NOW": 0, "CHECKPOINT_NOW": 1, "SAVE_AND_STOP": 2, "STOP": 3}
 
 
@@ -696,9 +718,9 @@ def test_every_message_tag() -> None:
     from flodl.wire import messages
 
     tags = {cls.__name__: cls.TAG for cls in messages.BY_TAG.values()}
-    assert tags == {**TO_RANK_TAGS, **TO_COORDINATOR_TAGS}
+    assert tags == ALL_TAGS
     assert {tag: cls.__name__ for tag, cls in messages.BY_TAG.items()} == {
-        tag: name for name, tag in {**TO_RANK_TAGS, **TO_COORDINATOR_TAGS}.items()
+        tag: name for name, tag in ALL_TAGS.items()
     }
 
 
@@ -707,9 +729,11 @@ def test_message_directions() -> None:
 
     assert {cls.__name__: cls.TAG for cls in messages.TO_RANK} == TO_RANK_TAGS
     assert {cls.__name__: cls.TAG for cls in messages.TO_COORDINATOR} == TO_COORDINATOR_TAGS
+    assert {cls.__name__: cls.TAG for cls in messages.FROM_AGENT} == FROM_AGENT_TAGS
+    assert {cls.__name__: cls.TAG for cls in messages.TO_AGENT} == TO_AGENT_TAGS
 
 
-@pytest.mark.parametrize(("name", "tag"), sorted({**TO_RANK_TAGS, **TO_COORDINATOR_TAGS}.items()))
+@pytest.mark.parametrize(("name", "tag"), sorted(ALL_TAGS.items()))
 def test_message_class_tag(name: str, tag: int) -> None:
     from flodl.wire import messages
 
@@ -728,8 +752,8 @@ def test_wire_enums() -> None:
 
 def test_run_folder_constants() -> None:
     from flodl.checkpoint.resume import COORDINATOR_META
+    from flodl.host.environment import KEY_FILE_NAME
     from flodl.host.rundir import LATEST, LOCK_NAME, RUNS_ROOT
-    from flodl.launch.launcher import KEY_FILE_NAME
     from flodl.launch.summary import SUMMARY_NAME as LAUNCHER_SUMMARY
     from flodl.observe.events import EVENTS_NAME
     from flodl.observe.events import SCHEMA_VERSION as EVENTS_SCHEMA

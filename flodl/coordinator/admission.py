@@ -15,15 +15,17 @@ from typing import Protocol
 import trio
 
 from flodl.errors import ConfigError, FlodlError, HandshakeTimeout
-from flodl.transports.channel import Channel, accept_rank
+from flodl.transports.channel import Channel
 from flodl.transports.errors import STREAM_ERRORS
+from flodl.transports.greeting import accept_peer
 from flodl.wire.codec import DEFAULT_MAX_PAYLOAD
 from flodl.wire.handshake import check_session_key, check_signature
 
 logger = logging.getLogger("flodl.coordinator.admission")
 
 RankHandler = Callable[[int, Channel], Awaitable[None]]
-"""``await handler(rank, channel)`` serves one admitted rank until it returns."""
+"""``await handler(rank, channel)`` serves one admitted rank until it returns (or, for a node
+agent, ``await agent_handler(node_rank, channel)``)."""
 
 RankErrorHandler = Callable[[int | None, BaseException], None]
 """``on_rank_error(rank or None, error)``: one connection failed (rank None: before it had one)."""
@@ -67,9 +69,15 @@ async def serve_ranks(
     handshake_timeout: float = 10.0,
     max_payload: int = DEFAULT_MAX_PAYLOAD,
     on_rank_error: RankErrorHandler | None = None,
+    agent_handler: RankHandler | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Admit ranks from ``listener`` and run ``await handler(rank, channel)`` for each.
+
+    With ``agent_handler``, node agents are admitted too (their own hello flag), each node
+    rank held by one connection at a time as ranks are, and served by
+    ``await agent_handler(node_rank, channel)``; their errors are reported as a rank's, with
+    the rank None. Without it an agent's hello is refused (ProtocolError).
 
     Each connection runs in its own task: the handshake must finish within
     ``handshake_timeout`` seconds (else HandshakeTimeout); a rank id is held from the moment
@@ -93,6 +101,7 @@ async def serve_ranks(
         raise ConfigError(f"handshake_timeout must be > 0, got {handshake_timeout}")
     report = on_rank_error or _log_rank_error
     held: set[int] = set()
+    held_nodes: set[int] = set()
     spent: set[bytes] = set()
     """Nonces of every hello that verified: a second use is a replay (32 bytes each)."""
 
@@ -104,6 +113,7 @@ async def serve_ranks(
 
     async def serve_connection(stream: trio.abc.Stream) -> None:
         claimed: int | None = None
+        claimed_node: int | None = None
 
         def taken(rank: int) -> bool:
             nonlocal claimed
@@ -113,14 +123,23 @@ async def serve_ranks(
             claimed = rank
             return False
 
+        def node_taken(node_rank: int) -> bool:
+            nonlocal claimed_node
+            if node_rank in held_nodes:
+                return True
+            held_nodes.add(node_rank)
+            claimed_node = node_rank
+            return False
+
         try:
             with trio.move_on_after(handshake_timeout) as deadline:
-                rank, channel = await accept_rank(
+                hello, channel = await accept_peer(
                     stream,
                     key,
                     world_size,
                     signature,
                     taken=taken,
+                    agent_taken=None if agent_handler is None else node_taken,
                     replayed=replayed,
                     max_payload=max_payload,
                 )
@@ -128,7 +147,10 @@ async def serve_ranks(
                 raise HandshakeTimeout(
                     f"peer did not complete the handshake within {handshake_timeout} s"
                 )
-            await handler(rank, channel)
+            if hello.agent and agent_handler is not None:
+                await agent_handler(hello.rank, channel)
+            else:
+                await handler(hello.rank, channel)
         except _CONNECTION_ERRORS as err:
             report(claimed, err)
         except BaseExceptionGroup as group:
@@ -140,6 +162,8 @@ async def serve_ranks(
         finally:
             if claimed is not None:
                 held.discard(claimed)
+            if claimed_node is not None:
+                held_nodes.discard(claimed_node)
             await trio.aclose_forcefully(stream)
 
     async with trio.open_nursery() as nursery:

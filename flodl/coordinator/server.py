@@ -55,6 +55,7 @@ import trio
 
 from flodl.config import CoordinatorConfig
 from flodl.coordinator.admission import serve_ranks
+from flodl.coordinator.agents import AgentDesk
 from flodl.coordinator.links import CONNECTION_ERRORS, Links, RankLink
 from flodl.coordinator.probe import Probing, ShellProbe
 from flodl.core.coordinator.machine import (
@@ -113,6 +114,8 @@ class Coordinator:
         self._tasks: trio.Nursery | None = None
         """Where the shared readers' tasks run (the coordinator's nursery)."""
         self._readers: dict[type[ChannelReader], ChannelReader] = {}
+        self.agents: AgentDesk | None = None
+        """The node agents' desk (:mod:`flodl.coordinator.agents`), once serving."""
         outer = config.outer_settings()
         self.run_settings = RunSettings(
             policy=config.policy.value,
@@ -439,6 +442,13 @@ async def open_coordinator(
         resume=resume,
     )
     coordinator = Coordinator(machine, config, listener.url, freeze_heap=freeze_heap, probe=probe)
+    coordinator.agents = AgentDesk(
+        world_size,
+        rank_exited=coordinator.rank_exited,
+        request_stop=coordinator.request_stop,
+        run_over=coordinator._finished,
+        join_timeout=config.handshake_timeout,
+    )
     try:
         async with trio.open_nursery() as nursery:
             coordinator._tasks = nursery
@@ -454,6 +464,7 @@ async def open_coordinator(
                 signature=signature,
                 handshake_timeout=config.handshake_timeout,
                 on_rank_error=coordinator.on_rank_error,
+                agent_handler=coordinator.agents.serve,
             )
             await nursery.start(serving)
             yield coordinator

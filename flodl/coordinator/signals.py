@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -21,8 +21,14 @@ import trio
 from flodl.host.console import say
 from flodl.host.hangup import stop_signals
 
-if TYPE_CHECKING:
-    from flodl.coordinator.server import Coordinator
+
+class Stoppable(Protocol):
+    """What a stop signal acts on: the coordinator, or a node agent that asks it to stop."""
+
+    @property
+    def run_ended(self) -> bool: ...
+
+    def request_stop(self, save: bool = True) -> None: ...
 
 
 @attrs.define
@@ -35,7 +41,7 @@ class StopSignals:
 
 
 async def watch_signals(
-    coordinator: Coordinator,
+    coordinator: Stoppable,
     stops: StopSignals,
     again: Callable[[], None],
     again_says: tuple[str, str],
@@ -62,7 +68,7 @@ async def watch_signals(
 
 async def _take_signals(
     signals: Any,
-    coordinator: Coordinator,
+    coordinator: Stoppable,
     stops: StopSignals,
     again: Callable[[], None],
     again_says: tuple[str, str],
@@ -73,7 +79,7 @@ async def _take_signals(
         if signum == signal.SIGHUP and len(stops.received) > 1:
             continue  # the terminal closing again (module docstring): the save goes on
         if len(stops.received) == 1:
-            if coordinator.record.finished:
+            if coordinator.run_ended:
                 text = f"flodl: {name}: the run has ended; waiting for the ranks to exit"
             else:
                 text = f"flodl: {name}: every rank saves its bundle, then stops"

@@ -266,3 +266,16 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     if raw in ("1", "true", "yes", "on"):
         return True
     raise ConfigError(f"{name} must be 0 or 1, got {raw!r}")
+
+
+KEY_FILE_NAME = "session.key"
+
+
+def write_session_key(run_dir: Path, key: bytes) -> Path:
+    """Write ``key`` (hex) to ``run_dir/session.key`` readable by this user only."""
+    path = run_dir / KEY_FILE_NAME
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key.hex())
+    os.chmod(path, 0o600)
+    return path

@@ -7,6 +7,7 @@ given on the command line win over both. Pure: reads a mapping, never the proces
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 
@@ -14,7 +15,7 @@ import attrs
 
 from flodl.errors import ConfigError
 
-__all__ = ["RankLayout", "layout_from"]
+__all__ = ["RankLayout", "layout_from", "nproc_of", "ranks_of"]
 
 
 @attrs.frozen
@@ -121,3 +122,38 @@ def layout_from(
         "--rank and --world-size are needed: no scheduler's layout in the environment "
         "(neither torchrun's TORCHELASTIC_RUN_ID/RANK nor Slurm's SLURM_PROCID)"
     )
+
+
+def ranks_of(flag: str, text: str | None) -> frozenset[int] | None:
+    """``0,2,5`` (or ``0-3``) -> the set of ranks; None stays None. ConfigError if bad."""
+    if text is None:
+        return None
+    ranks: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            ranks.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ConfigError(f"{flag} must list ranks like 0,2 or 0-3, got {text!r}") from None
+    return frozenset(ranks)
+
+
+def nproc_of(text: str) -> int:
+    """``--nproc``'s value as torchrun reads ``--nproc-per-node``: a number, ``gpu`` (the
+    visible GPUs; ConfigError when there are none), ``cpu`` (the CPU cores) or ``auto``
+    (``gpu`` where CUDA is usable, else ``cpu``). Imports torch only for ``gpu``/``auto``."""
+    if text in ("gpu", "auto"):
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus:
+            return gpus
+        if text == "gpu":
+            raise ConfigError("--nproc gpu: torch sees no usable GPU on this host")
+        text = "cpu"
+    if text == "cpu":
+        return os.cpu_count() or 1
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--nproc must be a number, auto, gpu or cpu, got {text!r}") from None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -64,38 +63,3 @@ class LaunchConfig:
         without a GPU per rank (imports torch for nccl only). ConfigError naming the flag."""
         check_script(self.script)
         check_backend_on_host(self.backend, self.nproc)
-
-
-def ranks_of(flag: str, text: str | None) -> frozenset[int] | None:
-    """``0,2,5`` (or ``0-3``) -> the set of ranks; None stays None. ConfigError if bad."""
-    if text is None:
-        return None
-    ranks: set[int] = set()
-    try:
-        for part in text.split(","):
-            first, _, last = part.strip().partition("-")
-            ranks.update(range(int(first), int(last or first) + 1))
-    except ValueError:
-        raise ConfigError(f"{flag} must list ranks like 0,2 or 0-3, got {text!r}") from None
-    return frozenset(ranks)
-
-
-def nproc_of(text: str) -> int:
-    """``--nproc``'s value as torchrun reads ``--nproc-per-node``: a number, ``gpu`` (the
-    visible GPUs; ConfigError when there are none), ``cpu`` (the CPU cores) or ``auto``
-    (``gpu`` where CUDA is usable, else ``cpu``). Imports torch only for ``gpu``/``auto``."""
-    if text in ("gpu", "auto"):
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus:
-            return gpus
-        if text == "gpu":
-            raise ConfigError("--nproc gpu: torch sees no usable GPU on this host")
-        text = "cpu"
-    if text == "cpu":
-        return os.cpu_count() or 1
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigError(f"--nproc must be a number, auto, gpu or cpu, got {text!r}") from None

@@ -30,7 +30,7 @@ from flodl.checkpoint.resume import ResumePlan, plan_resume, save_coordinator_me
 from flodl.coordinator.server import open_coordinator
 from flodl.coordinator.signals import StopSignals, watch_signals
 from flodl.host.console import say
-from flodl.host.environment import SESSION_KEY, RankEnv
+from flodl.host.environment import SESSION_KEY, RankEnv, write_session_key
 from flodl.host.rundir import claim_run_dir, set_aside
 from flodl.host.torchrun_env import OMP_NOTE, TorchrunLayout, free_port
 from flodl.launch.config import LaunchConfig
@@ -46,18 +46,6 @@ from flodl.supervise.ranks import (
     let_ranks_exit,
     supervise_rank,
 )
-
-KEY_FILE_NAME = "session.key"
-
-
-def write_session_key(run_dir: Path, key: bytes) -> Path:
-    """Write ``key`` (hex) to ``run_dir/session.key`` readable by this user only."""
-    path = run_dir / KEY_FILE_NAME
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(key.hex())
-    os.chmod(path, 0o600)
-    return path
 
 
 def rank_environment(

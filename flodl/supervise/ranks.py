@@ -26,6 +26,7 @@ from flodl.supervise.exits import ExitLog, ExitSink, RankExit
 __all__ = [
     "LOST_RANK_GRACE",
     "RankProcess",
+    "RestartBudget",
     "Supervision",
     "kill_rank_groups",
     "kill_ranks",
@@ -54,6 +55,20 @@ class RankProcess:
     """Each exit with its pid, and the processes the supervisor killed (the failure report's)."""
 
 
+@attrs.define
+class RestartBudget:
+    """Restarts shared by every rank of a host (``flodl agent --restarts``)."""
+
+    left: int
+
+    def take(self) -> bool:
+        """Spend one restart; False when none is left."""
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+
 @attrs.frozen
 class Supervision:
     """How the ranks of one host are supervised."""
@@ -66,6 +81,14 @@ class Supervision:
     """Relay the ranks' output, prefixed ``[rank N]``, to this process's stdout."""
     show_ranks: frozenset[int] | None = None
     """Relay only these ranks' output (None: every rank's)."""
+    shared: RestartBudget | None = None
+    """Restarts the host's ranks share (None: each rank may restart ``restarts`` times)."""
+
+    def may_restart(self, spawned: RankProcess) -> bool:
+        """Whether ``spawned``, whose process just failed, is started again (spends one)."""
+        if self.shared is not None:
+            return self.shared.take()
+        return spawned.restarts < self.restarts
 
     def log_of(self, rank: int) -> Path:
         return self.log_dir / f"rank{rank}.log"
@@ -101,12 +124,13 @@ async def supervise_rank(
     """Relay output until the process exits; report the exit to ``sink``; restart a failed rank.
 
     A rank whose process fails while the run goes on is started again (up to
-    ``supervision.restarts`` times); the new process rejoins the group at the next round, or
-    joins the world if it died before the run started (the coordinator waits for it then).
+    ``supervision.restarts`` times, or while the host's shared budget lasts); the new process
+    rejoins the group at the next round, or joins the world if it died before the run started
+    (the coordinator waits for it then).
     Each exit reaches ``sink`` as soon as the process is reaped, before any restart.
     """
     log = supervision.log_of(spawned.rank)
-    for _life in range(supervision.restarts + 1):
+    while True:
         process = spawned.process
         async with trio.open_nursery() as nursery:
             if process.stdout is not None:
@@ -117,7 +141,7 @@ async def supervise_rank(
         spawned.exited_unix = time.time()
         spawned.exits.append((code, spawned.exited_unix))
         spawned.exit_log.exited(spawned.rank, process.pid, code, spawned.exited_unix)
-        restarting = code != 0 and spawned.restarts < supervision.restarts
+        restarting = code != 0 and supervision.may_restart(spawned)
         exit = RankExit(spawned.rank, process.pid, code, spawned.exited_unix, restarting)
         for notice in sink.rank_exited(exit):
             if supervision.echo:

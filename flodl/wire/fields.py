@@ -88,6 +88,12 @@ def _blob(value: Any, field: attrs.Attribute[Any]) -> bytes:
     return value
 
 
+def _bool(value: Any, field: attrs.Attribute[Any]) -> bool:
+    if type(value) is not bool:
+        raise _fail(field, "true or false", value)
+    return value
+
+
 def _checked(fn: Callable[[Any, attrs.Attribute[Any]], Any]) -> Any:
     # One converter that both converts and validates: half the per-field calls of a
     # converter plus a validator, which matters on the decode hot path.
@@ -129,6 +135,11 @@ def text(default: str | None = None) -> Any:
     return attrs.field(
         default=attrs.NOTHING if default is None else default, converter=_checked(_text)
     )
+
+
+def boolean() -> Any:
+    """True or False (integers rejected)."""
+    return attrs.field(converter=_checked(_bool))
 
 
 def opt_text() -> Any:

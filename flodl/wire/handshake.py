@@ -5,7 +5,8 @@ Two fixed binary messages (little-endian, no CBOR)::
     ClientHello (rank -> coordinator, 112 bytes)
         magic       u32   0xF10D5C11
         version     u16   PROTOCOL_VERSION
-        flags       u16   0 (reserved)
+        flags       u16   0, or HELLO_AGENT (a node agent: ``rank`` is its node rank, and
+                          ``world_size`` 0 takes the coordinator's)
         rank        u32
         world_size  u32
         signature   32 B  model/dataset signature, all zero = none
@@ -68,6 +69,10 @@ SERVER_HELLO_SIZE = _SERVER_FIXED.size + NONCE_SIZE + MAC_SIZE
 PREFIX_CHECK_SIZE = _MAGIC_VERSION.size
 """Bytes of a hello that :func:`check_client_prefix` needs to judge magic and version."""
 
+HELLO_AGENT = 0x0001
+"""ClientHello flag: the peer is a node agent (:mod:`flodl.agent`), and the hello's rank field
+is its node rank. Every other flag bit is reserved."""
+
 _HELLO_LABEL = b"flodl-hello"
 _ACCEPT_LABEL = b"flodl-accept"
 _C2S_LABEL = b"flodl-c2s"
@@ -110,9 +115,12 @@ class Hello:
     """A verified ClientHello, as the coordinator sees it."""
 
     rank: int
+    """The rank, or an agent's node rank."""
     world_size: int
     signature: bytes | None
     nonce: bytes = attrs.field(repr=False)
+    agent: bool = False
+    """A node agent's hello (:data:`HELLO_AGENT`)."""
 
 
 @attrs.frozen
@@ -123,6 +131,7 @@ class ClientState:
     rank: int
     world_size: int
     nonce: bytes = attrs.field(repr=False)
+    agent: bool = False
 
 
 def check_session_key(key: bytes) -> bytes:
@@ -160,25 +169,35 @@ def derive_keys(key: bytes, client_nonce: bytes, server_nonce: bytes) -> Session
 
 
 def make_client_hello(
-    key: bytes, rank: int, world_size: int, signature: bytes | None = None
+    key: bytes,
+    rank: int,
+    world_size: int,
+    signature: bytes | None = None,
+    *,
+    agent: bool = False,
 ) -> tuple[bytes, ClientState]:
-    """The rank's hello (with a fresh nonce) and the state needed to check the reply."""
+    """The rank's hello (with a fresh nonce) and the state needed to check the reply;
+    ``agent``: a node agent's, ``rank`` its node rank, and ``world_size`` may be 0 (the
+    coordinator's, whatever it is)."""
     check_session_key(key)
     signature = check_signature(signature)
     # Only what the layout cannot carry is refused here; whether the rank fits the world is
     # the coordinator's call, so the rank hears it as a typed refusal.
-    if type(world_size) is not int or not 1 <= world_size <= _U32_MAX:
-        raise ConfigError(f"world size must be an integer in [1, 2**32), got {world_size!r}")
+    lowest = 0 if agent else 1  # an agent may leave the world size to the coordinator
+    if type(world_size) is not int or not lowest <= world_size <= _U32_MAX:
+        raise ConfigError(f"world size must be an integer in [{lowest}, 2**32), got {world_size!r}")
     if type(rank) is not int or not 0 <= rank <= _U32_MAX:
         raise ConfigError(f"rank must be an integer in [0, 2**32), got {rank!r}")
     nonce = secrets.token_bytes(NONCE_SIZE)
     body = (
-        _CLIENT_FIXED.pack(CLIENT_HELLO_MAGIC, PROTOCOL_VERSION, 0, rank, world_size)
+        _CLIENT_FIXED.pack(
+            CLIENT_HELLO_MAGIC, PROTOCOL_VERSION, HELLO_AGENT if agent else 0, rank, world_size
+        )
         + (signature or NO_SIGNATURE)
         + nonce
     )
     hello = body + _mac(key, _HELLO_LABEL, body)
-    return hello, ClientState(key=key, rank=rank, world_size=world_size, nonce=nonce)
+    return hello, ClientState(key=key, rank=rank, world_size=world_size, nonce=nonce, agent=agent)
 
 
 def check_client_prefix(data: bytes) -> None:
@@ -223,21 +242,23 @@ def check_client_hello(
     offset = _CLIENT_FIXED.size
     their_signature = bytes(data[offset : offset + SIGNATURE_SIZE])
     nonce = bytes(data[offset + SIGNATURE_SIZE : offset + SIGNATURE_SIZE + NONCE_SIZE])
-    if flags != 0:
+    if flags & ~HELLO_AGENT:
         raise ProtocolError(f"hello sets reserved flags 0x{flags:04X}")
-    if their_world != world_size:
+    agent = bool(flags & HELLO_AGENT)
+    who = f"node {rank}'s agent" if agent else f"rank {rank}"
+    if their_world != world_size and not (agent and their_world == 0):
         raise WorldSizeMismatch(
-            f"rank {rank} expects world size {their_world}, the coordinator runs {world_size}"
+            f"{who} expects world size {their_world}, the coordinator runs {world_size}"
         )
     if rank >= world_size:
-        raise RankOutOfRange(f"rank {rank} is not in range({world_size})")
+        # Every node runs at least one rank: there are never more nodes than ranks.
+        what = "node rank" if agent else "rank"
+        raise RankOutOfRange(f"{what} {rank} is not in range({world_size})")
     sent = None if their_signature == NO_SIGNATURE else their_signature
     if signature is not None and (sent is None or not hmac.compare_digest(sent, signature)):
         what = "sent no signature" if sent is None else f"sent signature {sent.hex()[:16]}..."
-        raise SignatureMismatch(
-            f"rank {rank} {what}; the coordinator expects {signature.hex()[:16]}..."
-        )
-    return Hello(rank=rank, world_size=their_world, signature=sent, nonce=nonce)
+        raise SignatureMismatch(f"{who} {what}; the coordinator expects {signature.hex()[:16]}...")
+    return Hello(rank=rank, world_size=their_world, signature=sent, nonce=nonce, agent=agent)
 
 
 def hello_nonce(data: bytes) -> bytes:
@@ -307,7 +328,7 @@ def check_server_hello(data: bytes, state: ClientState) -> SessionKeys:
 
 
 def _refusal(status: int, detail: int, state: ClientState) -> HandshakeError:
-    who = f"the coordinator refused rank {state.rank}"
+    who = f"the coordinator refused {'node' if state.agent else 'rank'} {state.rank}"
     if status == HelloStatus.WRONG_KEY:
         return WrongKey(f"{who}: its hello did not verify under the coordinator's key")
     if status == HelloStatus.VERSION_MISMATCH:
@@ -319,7 +340,8 @@ def _refusal(status: int, detail: int, state: ClientState) -> HandshakeError:
     if status == HelloStatus.RANK_OUT_OF_RANGE:
         return RankOutOfRange(f"{who}: rank out of the coordinator's range")
     if status == HelloStatus.DUPLICATE_RANK:
-        return DuplicateRank(f"{who}: another live connection already holds that rank")
+        held = "an agent for that node" if state.agent else "that rank"
+        return DuplicateRank(f"{who}: another live connection already holds {held}")
     if status == HelloStatus.SIGNATURE_MISMATCH:
         return SignatureMismatch(f"{who}: model/dataset signature does not match")
     return RejectedByCoordinator(f"{who} for a reason this version does not know (status {status})")

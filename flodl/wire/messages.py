@@ -2,7 +2,9 @@
 
 Tags never change once released; new messages get new tags. Tags 1-63 travel from the
 coordinator to a rank, 64-127 from a rank to the coordinator (see :data:`TO_RANK` and
-:data:`TO_COORDINATOR`), so a frame going the wrong way is rejected as unknown.
+:data:`TO_COORDINATOR`), 128-159 from a node agent to the coordinator and 160-191 back
+(:data:`FROM_AGENT`, :data:`TO_AGENT`), so a frame going the wrong way, or reaching the wrong
+kind of peer, is rejected as unknown.
 
 On the wire a message is its tag (in the frame header) and a CBOR map of its fields
 (:func:`to_payload` / :func:`from_payload`, built by :mod:`flodl.wire.payload` from this
@@ -18,6 +20,14 @@ from typing import ClassVar
 import attrs
 
 from flodl.errors import MessageValidationError
+from flodl.wire.agent_messages import FROM_AGENT as FROM_AGENT
+from flodl.wire.agent_messages import TO_AGENT as TO_AGENT
+from flodl.wire.agent_messages import AgentJoin as AgentJoin  # one catalogue: every message
+from flodl.wire.agent_messages import AgentRefusal as AgentRefusal
+from flodl.wire.agent_messages import AgentStop as AgentStop
+from flodl.wire.agent_messages import AssignRanks as AssignRanks
+from flodl.wire.agent_messages import RankExited as RankExited
+from flodl.wire.agent_messages import RunOver as RunOver
 from flodl.wire.fields import (
     blob,
     duration_list,
@@ -31,6 +41,7 @@ from flodl.wire.fields import (
     text,
     u64,
 )
+from flodl.wire.message_base import Message as Message
 from flodl.wire.payload import Payloads
 
 
@@ -56,13 +67,6 @@ class IntentKind(enum.IntEnum):
     STOP = 3
     """End the training at the next round: nothing more is handed out, a last round averages
     what was trained, and the run completes with one model (``rank.stop(reason)``)."""
-
-
-@attrs.frozen
-class Message:
-    """Base of all control messages. ``TAG`` is the stable wire tag of the concrete class."""
-
-    TAG: ClassVar[int] = 0
 
 
 # --- coordinator -> rank (tags 1..63) -------------------------------------------------------
@@ -443,7 +447,7 @@ TO_COORDINATOR: tuple[type[Message], ...] = (
 )
 """Messages ranks send to the coordinator."""
 
-ALL_MESSAGES: tuple[type[Message], ...] = TO_RANK + TO_COORDINATOR
+ALL_MESSAGES: tuple[type[Message], ...] = TO_RANK + TO_COORDINATOR + FROM_AGENT + TO_AGENT
 
 _PAYLOADS = Payloads(ALL_MESSAGES)
 
@@ -455,3 +459,5 @@ from_payload = _PAYLOADS.from_payload
 
 TO_RANK_TAGS: frozenset[int] = frozenset(cls.TAG for cls in TO_RANK)
 TO_COORDINATOR_TAGS: frozenset[int] = frozenset(cls.TAG for cls in TO_COORDINATOR)
+FROM_AGENT_TAGS: frozenset[int] = frozenset(cls.TAG for cls in FROM_AGENT)
+TO_AGENT_TAGS: frozenset[int] = frozenset(cls.TAG for cls in TO_AGENT)

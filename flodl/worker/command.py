@@ -17,14 +17,9 @@ from flodl.errors import ConfigError, FlodlError
 from flodl.host.environment import RankEnv, session_key_from_env
 from flodl.host.layout import layout_from
 from flodl.transports import parse_url
+from flodl.transports.reach import host_of
 
-__all__ = ["check_url", "host_of", "run_worker_command"]
-
-
-def host_of(url: str) -> str:
-    """The host of a ``tcp://`` URL; 127.0.0.1 for a unix socket (same host)."""
-    parsed = parse_url(url)
-    return parsed.host if parsed.scheme == "tcp" and parsed.host else "127.0.0.1"
+__all__ = ["check_url", "run_worker_command"]
 
 
 def check_url(flag: str, url: str) -> None:

@@ -6,14 +6,14 @@ nursery); what a message means is the rank machine's business, not theirs.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 
 import trio
 
-from flodl.errors import CoordinatorError, FlodlError, TransportError
-from flodl.transports import connect
-from flodl.transports.channel import Channel, connect_rank
+from flodl.errors import CoordinatorError, FlodlError
+from flodl.transports.channel import Channel
+from flodl.transports.greeting import connect_rank
+from flodl.transports.reach import local_address, reach_patiently
 from flodl.wire.messages import Message
 from flodl.worker.config import WorkerConfig
 from flodl.worker.outbox import Outbox
@@ -21,41 +21,10 @@ from flodl.worker.outbox import Outbox
 __all__ = ["beat", "local_address", "open_channel", "receive_until_lost"]
 
 
-def local_address(stream: trio.abc.Stream) -> str:
-    """This host's address on the connection ``stream`` (the interface that reaches the
-    coordinator, so its peers can reach this rank there too); 127.0.0.1 for a stream that is
-    not an IP socket (unix://, memory://)."""
-    sock = getattr(stream, "socket", None)
-    if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
-        address: str = sock.getsockname()[0]
-        return address
-    return "127.0.0.1"
-
-
-FIRST_RETRY_S = 0.1
-LAST_RETRY_S = 2.0
-"""Waits between attempts to reach a coordinator that is not up yet: doubling, at most this."""
-
-
 async def connect_patiently(config: WorkerConfig) -> trio.abc.Stream:
-    """A stream to ``config.coordinator``, trying again (waits doubling from 0.1 s to 2 s)
-    while nothing listens there yet, for up to ``config.join_timeout`` seconds: ranks and
-    their coordinator may start in any order. CoordinatorError naming the last error after
-    that. Cancellable at any point (nothing is left open)."""
-    wait = FIRST_RETRY_S
-    last: FlodlError | None = None
-    with trio.move_on_after(config.join_timeout):
-        while True:
-            try:
-                return await connect(config.coordinator)
-            except TransportError as err:
-                last = err
-            await trio.sleep(wait)
-            wait = min(wait * 2, LAST_RETRY_S)
-    raise CoordinatorError(
-        f"rank {config.rank}: no coordinator at {config.coordinator} within the join timeout "
-        f"({config.join_timeout:g} s): {last}"
-    )
+    """A stream to ``config.coordinator``, tried for up to ``config.join_timeout`` seconds
+    (:func:`reach_patiently`)."""
+    return await reach_patiently(config.coordinator, config.join_timeout, f"rank {config.rank}")
 
 
 async def open_channel(config: WorkerConfig) -> Channel:

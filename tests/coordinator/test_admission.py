@@ -12,7 +12,8 @@ import trio.testing
 from flodl.coordinator.admission import AcceptsStreams, serve_ranks
 from flodl.errors import BrokenChannel, ConfigError, DuplicateRank, HandshakeTimeout, WrongKey
 from flodl.transports import connect, open_listener
-from flodl.transports.channel import Channel, connect_rank
+from flodl.transports.channel import Channel
+from flodl.transports.greeting import connect_rank
 from flodl.wire import handshake as hs
 from tests.wire.peers import (
     KEY,

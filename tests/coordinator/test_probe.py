@@ -20,7 +20,7 @@ from flodl.core.coordinator.timeline import EventKind
 from flodl.errors import BrokenChannel, ChannelClosed
 from flodl.testing import TEST_KEY, RankScript, open_cluster
 from flodl.transports import connect
-from flodl.transports.channel import connect_rank
+from flodl.transports.greeting import connect_rank
 from flodl.wire.messages import Batch, Heartbeat, Message, Ready, RunSettings
 
 

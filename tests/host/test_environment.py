@@ -8,9 +8,9 @@ import pytest
 
 from flodl.config import CoordinatorConfig, Policy
 from flodl.errors import ConfigError
-from flodl.host.environment import RankEnv
+from flodl.host.environment import RankEnv, write_session_key
 from flodl.launch.config import LaunchConfig
-from flodl.launch.launcher import rank_environment, write_session_key
+from flodl.launch.launcher import rank_environment
 from flodl.worker.config import WorkerConfig
 
 

@@ -18,7 +18,8 @@ from flodl.errors import (
     TruncatedFrame,
 )
 from flodl.transports import connect, open_listener
-from flodl.transports.channel import Channel, accept_rank, connect_rank
+from flodl.transports.channel import Channel
+from flodl.transports.greeting import accept_rank, connect_rank
 from flodl.transports.socket_stream import SocketStream
 from flodl.wire.codec import FrameEncoder
 from flodl.wire.messages import (

@@ -11,7 +11,8 @@ import trio
 
 from flodl.coordinator.admission import serve_ranks
 from flodl.transports import connect, open_listener
-from flodl.transports.channel import Channel, connect_rank
+from flodl.transports.channel import Channel
+from flodl.transports.greeting import connect_rank
 from flodl.wire import codec
 from flodl.wire.handshake import (
     SERVER_HELLO_SIZE,

@@ -32,6 +32,7 @@ _BY_CONVERTER: dict[Any, st.SearchStrategy[Any]] = {
     fields._text: texts,
     fields._opt_text: st.none() | texts,
     fields._blob: st.binary(max_size=200),
+    fields._bool: st.booleans(),
 }
 
 

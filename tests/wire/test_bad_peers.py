@@ -32,7 +32,7 @@ from flodl.errors import (
     WorldSizeMismatch,
     WrongKey,
 )
-from flodl.transports.channel import connect_rank
+from flodl.transports.greeting import connect_rank
 from flodl.wire import handshake as hs
 from flodl.wire.codec import PROTOCOL_VERSION, FrameDecoder, FrameEncoder
 from flodl.wire.handshake import SERVER_HELLO_SIZE, HelloStatus

@@ -11,6 +11,11 @@ from hypothesis import strategies as st
 from flodl.wire.codec import FrameDecoder, FrameEncoder
 from flodl.wire.messages import (
     ALL_MESSAGES,
+    FROM_AGENT,
+    FROM_AGENT_TAGS,
+    TO_AGENT,
+    TO_AGENT_TAGS,
+    TO_COORDINATOR,
     TO_COORDINATOR_TAGS,
     TO_RANK,
     TO_RANK_TAGS,
@@ -38,6 +43,14 @@ def decode_in_pieces(
     return out
 
 
+DIRECTIONS = (
+    (TO_RANK, TO_RANK_TAGS),
+    (TO_COORDINATOR, TO_COORDINATOR_TAGS),
+    (FROM_AGENT, FROM_AGENT_TAGS),
+    (TO_AGENT, TO_AGENT_TAGS),
+)
+
+
 @pytest.mark.parametrize("cls", ALL_MESSAGES, ids=lambda c: c.__name__)
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
@@ -48,7 +61,7 @@ def test_every_class_round_trips_in_arbitrary_splits(
     encoder = FrameEncoder(KEY)
     wire = b"".join(encoder.encode(m) for m in messages)
     cuts = data.draw(st.lists(st.integers(0, len(wire)), max_size=12))
-    allowed = TO_RANK_TAGS if cls in TO_RANK else TO_COORDINATOR_TAGS
+    allowed = next(tags for group, tags in DIRECTIONS if cls in group)
     decoded = decode_in_pieces(wire, cuts, allowed)
     assert len(decoded) == len(messages)
     for sent, got in zip(messages, decoded, strict=True):

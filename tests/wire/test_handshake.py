@@ -99,7 +99,7 @@ def test_wrong_key_is_checked_before_the_fields() -> None:
 
 def test_reserved_flags_and_wrong_length_are_protocol_errors() -> None:
     with pytest.raises(ProtocolError, match="reserved flags"):
-        check_client_hello(forged_hello(flags=1), KEY, 3)
+        check_client_hello(forged_hello(flags=2), KEY, 3)
     hello, _ = make_client_hello(KEY, 0, 3)
     with pytest.raises(ProtocolError, match="expected 112"):
         check_client_hello(hello + b"\0", KEY, 3)

@@ -27,7 +27,8 @@ from flodl.core.common.policy import Policy
 from flodl.core.coordinator.machine import Outcome, Status
 from flodl.errors import CheckpointError, CoordinatorError, FlodlError, ShutdownRequested
 from flodl.transports import open_listener
-from flodl.transports.channel import Channel, accept_rank
+from flodl.transports.channel import Channel
+from flodl.transports.greeting import accept_rank
 from flodl.wire.messages import (
     Batch,
     Batches,

@@ -1,0 +1,6 @@
+"""The node agent (``flodl agent``): one process per host that starts, supervises and speaks
+for that host's ranks, as torchrun's agent does.
+
+:mod:`flodl.agent.config` is what it was asked to do, :mod:`flodl.agent.link` its connection to
+the coordinator (and the exits it reports there), :mod:`flodl.agent.agent` the process itself.
+"""

@@ -1,0 +1,192 @@
+"""``flodl agent``: start this host's ranks for a coordinator elsewhere, supervise them, and
+speak for them.
+
+:func:`run_agent` joins the coordinator (:mod:`flodl.agent.link`), learns which ranks this node
+runs, and starts them with torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` and ``NODE_RANK``, ``MASTER_ADDR``/``MASTER_PORT``) and
+flodl's own, each in a session of its own with its output in ``run_dir/rank<N>.log``. It
+supervises them as ``flodl run`` does (:mod:`flodl.supervise.ranks`): every exit is reported
+to the coordinator at once, a rank that fails is started again while the host's
+``--restarts`` last (it rejoins the running group), and the first Ctrl-C, SIGTERM or SIGHUP
+asks the coordinator to end the run with a save (a second SIGINT or SIGTERM kills the ranks).
+Every process it started is gone when it returns, whatever happened.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import attrs
+import trio
+
+from flodl.agent.config import AgentConfig
+from flodl.agent.link import NodeAssignment, open_agent_link
+from flodl.coordinator.signals import StopSignals, watch_signals
+from flodl.host.console import say
+from flodl.host.environment import SESSION_KEY, RankEnv, write_session_key
+from flodl.host.torchrun_env import TorchrunLayout
+from flodl.supervise.exits import exit_text
+from flodl.supervise.ranks import (
+    RankProcess,
+    RestartBudget,
+    Supervision,
+    kill_rank_groups,
+    supervise_rank,
+)
+from flodl.transports.reach import host_of
+
+__all__ = ["AgentResult", "agent_rank_environment", "run_agent"]
+
+
+@attrs.frozen
+class AgentResult:
+    """How an agent's run ended."""
+
+    assignment: NodeAssignment
+    exits: dict[int, list[str]]
+    """Each rank's exits in order (``0``, ``SIGKILL``, ...)."""
+    restarts: int
+    """Ranks this host started again."""
+    coordinator_lost: str | None
+    """Why the coordinator was lost (None: it ended the run)."""
+    killed: bool
+    """A second stop signal, or the end of the exit grace, killed ranks still running."""
+
+    @property
+    def status(self) -> int:
+        """The agent's exit status: 0 when the coordinator ended the run, else 1."""
+        return 0 if self.coordinator_lost is None and not self.killed else 1
+
+
+def agent_rank_environment(
+    config: AgentConfig,
+    assignment: NodeAssignment,
+    local_rank: int,
+    key_file: Path,
+    restart_count: int,
+) -> dict[str, str]:
+    """The environment of this node's ``local_rank``: the agent's, plus torchrun's variables and
+    what a flodl rank reads (the key by file only)."""
+    env = dict(os.environ)
+    env.pop(SESSION_KEY, None)
+    rank = assignment.first_rank + local_rank
+    master_addr = config.master_addr or host_of(config.coordinator)
+    layout = TorchrunLayout(
+        rank=rank,
+        world_size=assignment.world_size,
+        local_rank=local_rank,
+        local_world_size=assignment.nproc,
+        group_rank=config.node_rank,
+        master_addr=master_addr,
+        master_port=config.master_port,
+        restart_count=restart_count,
+        max_restarts=config.restarts,
+        run_id=config.run_dir.name,
+    )
+    env.update(layout.variables(env))
+    del env["GROUP_WORLD_SIZE"]  # the number of nodes is not known to an agent
+    env["NODE_RANK"] = str(config.node_rank)
+    rank_env = RankEnv(
+        coordinator=config.coordinator,
+        rank=rank,
+        world_size=assignment.world_size,
+        local_rank=local_rank,
+        local_world_size=assignment.nproc,
+        session_key_file=key_file.resolve(),
+        run_dir=config.run_dir.resolve(),
+        host=assignment.host,
+        join_timeout=config.join_timeout,
+        master_addr=master_addr,
+        master_port=config.master_port,
+    )
+    env.update(rank_env.variables())
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
+    """Join the coordinator, run this node's ranks until the run ends, and return how it went.
+
+    Raises CoordinatorError when no coordinator answers within the join timeout, AgentRefused
+    or the handshake's typed error when it refuses this agent; no rank has started then.
+    Guarantees: every rank process started here has exited (killed if need be) when this
+    returns or raises, including on cancellation.
+    """
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    link, assignment = await open_agent_link(config, key)
+    if config.echo:
+        last = assignment.first_rank + assignment.nproc - 1
+        say(
+            f"flodl agent: node {config.node_rank} runs ranks {assignment.first_rank}-{last} of "
+            f"{assignment.world_size}"
+        )
+    key_file = write_session_key(config.run_dir, key)
+    supervision = Supervision(
+        config.run_dir,
+        config.restarts,
+        echo=config.echo,
+        show_ranks=config.show_ranks,
+        shared=RestartBudget(config.restarts),  # --restarts counts for the host
+    )
+    spawned: list[RankProcess] = []
+    stops = StopSignals()
+
+    async def start_rank(rank: int) -> trio.Process:
+        earlier = [item.restarts for item in spawned if item.rank == rank]
+        env = agent_rank_environment(
+            config,
+            assignment,
+            rank - assignment.first_rank,
+            key_file,
+            earlier[0] if earlier else 0,
+        )
+        return await trio.lowlevel.open_process(
+            [config.python, config.script, *config.script_args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # out of the terminal's process group: signals are ours
+        )
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(link.run)
+            kill = functools.partial(kill_rank_groups, spawned)
+            says = ("kill this host's ranks", "killing this host's ranks")
+            await nursery.start(watch_signals, link, stops, kill, says)
+            async with trio.open_nursery() as ranks:
+                for rank in assignment.ranks:
+                    item = RankProcess(rank, await start_rank(rank), time.time())
+                    spawned.append(item)
+                    ranks.start_soon(supervise_rank, item, link, supervision, start_rank)
+                await link.ended.wait()
+                await _let_ranks_exit(spawned, config.exit_grace)
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            kill_rank_groups(spawned, exited_too=True)
+            for item in spawned:
+                await item.process.wait()
+            await link.aclose()
+    lost = link.lost
+    return AgentResult(
+        assignment=assignment,
+        exits={item.rank: [exit_text(code) for code, _ in item.exits] for item in spawned},
+        restarts=sum(item.restarts for item in spawned),
+        coordinator_lost=None if lost is None else f"{type(lost).__name__}: {lost}",
+        killed=stops.killed or any(item.exit_log.killed for item in spawned),
+    )
+
+
+async def _let_ranks_exit(spawned: list[RankProcess], grace: float) -> None:
+    """The run ended or the coordinator is gone: give the ranks ``grace`` seconds, in all, to
+    exit on their own (saving what they must), then kill what is left."""
+    with trio.move_on_after(grace):
+        for item in spawned:
+            await item.process.wait()
+    kill_rank_groups(spawned)

@@ -1,0 +1,58 @@
+"""What ``flodl agent`` was asked to do: :class:`AgentConfig`, checked on construction."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import attrs
+
+from flodl.config import check_at_least, check_script, check_seconds
+from flodl.errors import ConfigError, FlodlError
+from flodl.transports import parse_url
+
+__all__ = ["AgentConfig"]
+
+
+@attrs.frozen(kw_only=True)
+class AgentConfig:
+    """One host's agent: where the coordinator is, which node this is, what to run."""
+
+    coordinator: str
+    """The coordinator's URL (``tcp://HOST:PORT``)."""
+    node_rank: int
+    nproc: int
+    """Ranks this host runs (hosts may run different numbers)."""
+    script: str
+    script_args: tuple[str, ...] = ()
+    run_dir: Path = Path("runs/agent")
+    """Where this host's ranks write (logs ``rank<N>.log``, checkpoints, the key file)."""
+    restarts: int = 0
+    """How many times, in all, this host starts a rank again after its process failed."""
+    join_timeout: float = 300.0
+    """Seconds to keep trying to reach the coordinator (it may start after the agents)."""
+    exit_grace: float = 30.0
+    """Seconds the ranks get to exit on their own once the run ended, before they are killed."""
+    host: str | None = None
+    """This host's address for the ranks' peers (None: the one that reaches the coordinator)."""
+    master_addr: str | None = None
+    """MASTER_ADDR for a script's own rendezvous (None: the coordinator's host)."""
+    master_port: int = 29500
+    python: str = sys.executable
+    echo: bool = True
+    show_ranks: frozenset[int] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        try:
+            parse_url(self.coordinator)
+        except FlodlError as err:
+            raise ConfigError(f"--coordinator: {err}") from None
+        check_at_least("--node-rank", self.node_rank, 0)
+        check_at_least("--nproc", self.nproc, 1)
+        check_at_least("--restarts", self.restarts, 0)
+        check_seconds("--join-timeout", self.join_timeout)
+        if not 1 <= self.master_port <= 65535:
+            raise ConfigError(f"--master-port must be 1..65535, got {self.master_port}")
+        if self.host is not None and not self.host.strip():
+            raise ConfigError("--host must not be empty")
+        check_script(self.script)

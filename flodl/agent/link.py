@@ -1,0 +1,188 @@
+"""The agent's connection to its coordinator: join, learn the node's ranks, report exits.
+
+:func:`open_agent_link` connects (trying again while the coordinator is not up yet), completes
+the agent's handshake, says :class:`~flodl.wire.messages.AgentJoin` and waits for the node's
+ranks. The :class:`AgentLink` it returns is the agent's
+:class:`~flodl.supervise.exits.ExitSink` (each exit of a rank's process goes to the coordinator
+at once, with the tail of the rank's output) and what its stop signals act on
+(:class:`~flodl.coordinator.signals.Stoppable`: a stop asks the coordinator to end the run with
+a save). :meth:`AgentLink.run` carries the messages both ways until the coordinator ends the run
+or is lost.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import trio
+
+from flodl.agent.config import AgentConfig
+from flodl.errors import AgentRefused, ChannelClosed, CoordinatorError, FlodlError
+from flodl.supervise.exits import RankExit
+from flodl.transports.channel import Channel
+from flodl.transports.greeting import connect_agent
+from flodl.transports.reach import local_address, reach_patiently
+from flodl.wire.messages import (
+    AgentJoin,
+    AgentRefusal,
+    AgentStop,
+    AssignRanks,
+    Message,
+    RankExited,
+    RunOver,
+)
+
+__all__ = ["AgentLink", "NodeAssignment", "open_agent_link"]
+
+TAIL_CHARS = 2000
+"""How much of a rank's output goes with the report of its exit (a traceback's tail)."""
+
+
+@attrs.frozen
+class NodeAssignment:
+    """The ranks the coordinator gave this node, and this host's address as it sees it."""
+
+    first_rank: int
+    nproc: int
+    world_size: int
+    host: str
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.nproc)
+
+
+class AgentLink:
+    """One agent's channel to its coordinator, once the node's ranks are known."""
+
+    def __init__(self, channel: Channel, node_rank: int, log_dir: Path) -> None:
+        self._channel = channel
+        self._node_rank = node_rank
+        self._log_dir = log_dir
+        self._outgoing, self._queued = trio.open_memory_channel[Message](math.inf)
+        self.run_over = False
+        """The coordinator said the run ended (RunOver)."""
+        self.lost: FlodlError | None = None
+        """Why the coordinator was lost, when it was (None: it was not)."""
+        self.ended = trio.Event()
+        """Set once the run ended or the coordinator was lost: the ranks are to exit."""
+
+    # --- ExitSink, Stoppable ----------------------------------------------------------------
+
+    @property
+    def run_ended(self) -> bool:
+        """The run is over (RunOver came, or the coordinator is gone): restart no rank."""
+        return self.ended.is_set()
+
+    def rank_exited(self, exit: RankExit) -> Sequence[str]:
+        """Report ``exit`` to the coordinator at once (queued; never blocks)."""
+        tail = _tail(self._log_dir / f"rank{exit.rank}.log")
+        report = RankExited(
+            exit.rank, exit.pid, exit.returncode, exit.exited_unix, exit.restarting, tail
+        )
+        self._outgoing.send_nowait(report)
+        return []
+
+    def request_stop(self, save: bool = True) -> None:
+        """Ask the coordinator to end the run with a save (a stop signal reached the agent)."""
+        self._outgoing.send_nowait(AgentStop(f"node {self._node_rank}'s agent was signalled"))
+
+    # --- the connection ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Send what is queued and take what the coordinator says until the connection ends.
+
+        Returns once the coordinator is lost (:attr:`lost` says why) or the channel closed
+        after RunOver; :attr:`ended` is set by then. Raises AgentRefused when the coordinator
+        refuses the agent.
+        """
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_queued)
+                try:
+                    await self._receive()
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            self.ended.set()
+
+    async def _send_queued(self) -> None:
+        async for message in self._queued:
+            try:
+                await self._channel.send(message)
+            except FlodlError as err:
+                self._lose(err)
+                return
+
+    async def _receive(self) -> None:
+        while True:
+            try:
+                message = await self._channel.receive()
+            except ChannelClosed as err:
+                if not self.run_over:
+                    self._lose(err)
+                return
+            except FlodlError as err:
+                self._lose(err)
+                return
+            if isinstance(message, RunOver):
+                self.run_over = True
+                self.ended.set()
+            elif isinstance(message, AgentRefusal):
+                who = f"node {self._node_rank}"
+                raise AgentRefused(f"the coordinator refused {who}: {message.reason}")
+
+    def _lose(self, err: FlodlError) -> None:
+        if self.lost is None and not self.run_over:
+            self.lost = err
+        self.ended.set()
+
+    async def aclose(self) -> None:
+        await self._channel.aclose()
+
+
+async def open_agent_link(config: AgentConfig, key: bytes) -> tuple[AgentLink, NodeAssignment]:
+    """Connect to the coordinator, join as ``config.node_rank`` and wait for the node's ranks.
+
+    Waits as long as it takes for the nodes before this one to join (the caller bounds it).
+    Raises CoordinatorError when no coordinator answers within the join timeout or it closes
+    the connection first, the handshake's typed error when it refuses the agent (DuplicateRank:
+    another agent speaks for this node), AgentRefused when it refuses the join. Nothing is left
+    open on failure.
+    """
+    who = f"node {config.node_rank}'s agent"
+    stream = await reach_patiently(config.coordinator, config.join_timeout, who)
+    try:
+        host = config.host or local_address(stream)
+        channel = await connect_agent(stream, key, config.node_rank)
+        await channel.send(AgentJoin(config.node_rank, config.nproc, socket.gethostname()))
+        try:
+            reply = await channel.receive()
+        except ChannelClosed:
+            raise CoordinatorError(f"{who}: the coordinator closed the connection") from None
+        if isinstance(reply, AgentRefusal):
+            raise AgentRefused(f"the coordinator refused {who}: {reply.reason}")
+        if not isinstance(reply, AssignRanks):
+            raise CoordinatorError(f"{who}: the coordinator sent {type(reply).__name__} first")
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    assignment = NodeAssignment(reply.first_rank, reply.nproc, reply.world_size, host)
+    return AgentLink(channel, config.node_rank, config.run_dir), assignment
+
+
+def _tail(log: Path) -> str:
+    """The last :data:`TAIL_CHARS` characters of a rank's log ('' when there is none)."""
+    try:
+        with log.open("rb") as handle:
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - 4 * TAIL_CHARS))
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return text[-TAIL_CHARS:]

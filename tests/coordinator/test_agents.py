@@ -1,0 +1,162 @@
+"""Node agents at a real coordinator over TCP: their ranks, their exits, their bad claims.
+
+Each test runs a coordinator on 127.0.0.1 and speaks for agents with the real handshake and
+channel (:func:`flodl.transports.channel.connect_agent`), as ``flodl agent`` does.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+from trio.testing import MockClock
+
+from flodl.coordinator.server import Coordinator, open_coordinator
+from flodl.errors import AgentRefused, DuplicateRank, HandshakeVersionMismatch, WrongKey
+from flodl.transports import connect
+from flodl.transports.channel import Channel
+from flodl.transports.greeting import connect_agent, connect_rank
+from flodl.wire.handshake import SERVER_HELLO_SIZE, HelloStatus, make_client_hello
+from flodl.wire.messages import (
+    AgentJoin,
+    AgentRefusal,
+    AgentStop,
+    AssignRanks,
+    RankExited,
+    RunOver,
+)
+
+KEY = bytes(range(32))
+WORLD = 4
+
+
+@asynccontextmanager
+async def coordinator() -> AsyncIterator[Coordinator]:
+    async with open_coordinator("tcp://127.0.0.1:0", WORLD, KEY, linger=0.0) as coord:
+        yield coord
+
+
+@asynccontextmanager
+async def agent(coord: Coordinator, node: int, nproc: int) -> AsyncIterator[Channel]:
+    """Node ``node``'s agent, joined with ``nproc`` ranks (not yet told its ranks)."""
+    channel = await connect_agent(await connect(coord.url), KEY, node)
+    async with channel:
+        await channel.send(AgentJoin(node, nproc, "test-host"))
+        yield channel
+
+
+async def nothing_yet(channel: Channel) -> None:
+    """The coordinator has sent ``channel`` nothing (the clock jumps past a long wait)."""
+    with trio.move_on_after(60):
+        message = await channel.receive()
+        raise AssertionError(f"expected nothing yet, got {message}")
+
+
+async def test_agents_are_told_their_ranks_in_node_order_whatever_order_they_joined(
+    autojump_clock: MockClock,
+) -> None:
+    async with coordinator() as coord, agent(coord, 1, 3) as second:
+        await nothing_yet(second)  # node 0 has not joined: node 1's first rank is not known
+        async with agent(coord, 0, 1) as first:
+            assert await first.receive() == AssignRanks(0, 1, WORLD)
+            assert await second.receive() == AssignRanks(1, 3, WORLD)
+        assert coord.agents is not None
+        assert [coord.agents.table.owner(rank) for rank in range(WORLD)] == [0, 1, 1, 1]
+
+
+async def test_a_second_agent_for_a_node_is_refused_while_the_first_is_connected(
+    autojump_clock: MockClock,
+) -> None:
+    async with coordinator() as coord, agent(coord, 0, 2) as first:
+        assert await first.receive() == AssignRanks(0, 2, WORLD)
+        stream = await connect(coord.url)
+        with pytest.raises(
+            DuplicateRank,
+            match="refused node 0: another live connection already holds an agent for that node",
+        ):
+            await connect_agent(stream, KEY, 0)
+        await stream.aclose()
+        # The first agent is undisturbed: it can still speak for its ranks.
+        await first.send(RankExited(1, 4242, 1, 0.0, False, "Traceback: boom"))
+        await trio.sleep(1)
+        assert coord.agents is not None
+        assert [exit.tail for exit in coord.agents.exits] == ["Traceback: boom"]
+
+
+async def test_an_agent_speaking_for_another_nodes_rank_is_refused_and_the_run_goes_on(
+    autojump_clock: MockClock,
+) -> None:
+    async with coordinator() as coord, agent(coord, 0, 2) as honest, agent(coord, 1, 2) as liar:
+        assert await honest.receive() == AssignRanks(0, 2, WORLD)
+        assert await liar.receive() == AssignRanks(2, 2, WORLD)
+        await liar.send(RankExited(0, 99, -9, 0.0, False, ""))
+        refusal = await liar.receive()
+        assert isinstance(refusal, AgentRefusal)
+        assert refusal.reason == "node 1's agent reported the exit of rank 0, which it does not run"
+        with pytest.raises(Exception):  # noqa: B017 - closed by the coordinator: any end will do
+            await liar.receive()
+        errors = [err for _, err in coord.rank_errors]
+        assert [type(err) for err in errors] == [AgentRefused]
+        # The lie reached nothing: rank 0 is not dead. The honest agent's report is heard.
+        assert not any("rank 0" in str(event.detail) for event in coord.timeline)
+        await honest.send(RankExited(0, 4242, 3, 0.0, False, ""))
+        await trio.sleep(1)
+        assert any("rank 0 exited with code 3" in str(event.detail) for event in coord.timeline)
+
+
+async def test_an_agent_that_joins_as_another_node_or_twice_is_refused(
+    autojump_clock: MockClock,
+) -> None:
+    async with coordinator() as coord:
+        channel = await connect_agent(await connect(coord.url), KEY, 0)
+        async with channel:
+            await channel.send(AgentJoin(1, 2, "test-host"))
+            refusal = await channel.receive()
+            assert isinstance(refusal, AgentRefusal)
+            assert "joined as node 1 (its hello said 0)" in refusal.reason
+        async with agent(coord, 0, 2) as again:
+            assert await again.receive() == AssignRanks(0, 2, WORLD)
+            await again.send(AgentJoin(0, 2, "test-host"))
+            refusal = await again.receive()
+            assert isinstance(refusal, AgentRefusal)
+            assert refusal.reason == "node 0's agent sent AgentJoin after joining"
+
+
+async def test_an_agent_stop_ends_the_run_and_every_agent_hears_it(
+    autojump_clock: MockClock,
+) -> None:
+    async with coordinator() as coord, agent(coord, 0, 2) as first, agent(coord, 1, 2) as second:
+        assert await first.receive() == AssignRanks(0, 2, WORLD)
+        assert await second.receive() == AssignRanks(2, 2, WORLD)
+        await second.send(AgentStop("node 1's agent was signalled"))
+        assert await first.receive() == RunOver("the run ended")
+        assert await second.receive() == RunOver("the run ended")
+        assert coord.run_ended
+
+
+async def test_agents_with_a_wrong_key_or_version_are_refused_with_the_typed_error(
+    autojump_clock: MockClock,
+) -> None:
+    async with coordinator() as coord:
+        stream = await connect(coord.url)
+        with pytest.raises(WrongKey):
+            await connect_agent(stream, bytes(32), 0)
+        await stream.aclose()
+        hello, _ = make_client_hello(KEY, 0, 0, agent=True)
+        stream = await connect(coord.url)
+        await stream.send_all(hello[:4] + struct.pack("<H", 99) + hello[6:])
+        reply = b""
+        while len(reply) < SERVER_HELLO_SIZE:
+            reply += await stream.receive_some()
+        # The refusal says VERSION_MISMATCH (it cannot be bound to a hello it did not read).
+        assert struct.unpack_from("<IHH", reply)[2] == HelloStatus.VERSION_MISMATCH
+        await stream.aclose()
+        assert [type(err) for _, err in coord.rank_errors] == [WrongKey, HandshakeVersionMismatch]
+        # A rank's hello for an agent's node rank is a different claim: it is admitted.
+        rank = await connect_rank(await connect(coord.url), KEY, 0, WORLD)
+        async with agent(coord, 0, 1) as first:
+            assert await first.receive() == AssignRanks(0, 1, WORLD)
+        await rank.aclose()
