@@ -1,0 +1,195 @@
+"""`flodl coordinator` + one `flodl agent` per host, run here on one host (127.0.0.1).
+
+The agents start before the coordinator, run different numbers of ranks, restart a rank that
+is killed, and take their ranks with them when they are killed themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import select
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flodl.observe.events import read_events
+
+pytestmark = pytest.mark.slow
+
+DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
+FLODL = [sys.executable, "-m", "flodl.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def agent(url: str, node: int, nproc: int, run_dir: Path, *flags: str) -> list[str]:
+    return [
+        *FLODL,
+        "agent",
+        "--coordinator",
+        url,
+        "--node-rank",
+        str(node),
+        "--nproc",
+        str(nproc),
+        "--run-dir",
+        str(run_dir),
+        "--join-timeout",
+        "60",
+        *flags,
+    ]
+
+
+def coordinator(url: str, world: int, run_dir: Path) -> list[str]:
+    return [
+        *FLODL,
+        "coordinator",
+        "--listen",
+        url,
+        "--world-size",
+        str(world),
+        "--run-dir",
+        str(run_dir),
+    ]
+
+
+class Job:
+    """The processes of one run; every one is gone when the test ends."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.env = dict(os.environ, FLODL_SESSION_KEY=secrets.token_hex(32))
+        self.url = f"tcp://127.0.0.1:{free_port()}"
+        self.tmp_path = tmp_path
+        self.procs: list[subprocess.Popen[str]] = []
+        self.outputs: dict[int, str] = {}
+
+    def start(self, command: list[str]) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.procs.append(proc)
+        return proc
+
+    def read_until(self, proc: subprocess.Popen[str], needle: str) -> str:
+        """``proc``'s output up to the line holding ``needle`` (kept for :meth:`finish`)."""
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if needle in line:
+                break
+        text = "".join(seen)
+        self.outputs[proc.pid] = self.outputs.get(proc.pid, "") + text
+        assert needle in text, text
+        return text
+
+    def finish(self) -> list[str]:
+        """Every process's whole output once it exited (killed after 180 s)."""
+        try:
+            for proc in self.procs:
+                rest, _ = proc.communicate(timeout=180)
+                self.outputs[proc.pid] = self.outputs.get(proc.pid, "") + rest
+        finally:
+            self.kill_all()
+        return [self.outputs[proc.pid] for proc in self.procs]
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+def rank_pids(agent_pid: int) -> list[int]:
+    """The agent's child processes (its ranks; trio starts them from worker threads)."""
+    tasks = Path(f"/proc/{agent_pid}/task")
+    return [int(pid) for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+
+
+def accuracies(*outputs: str) -> list[float]:
+    return [float(a) for out in outputs for a in re.findall(r"test accuracy (\d\.\d+)", out)]
+
+
+def test_agents_started_before_the_coordinator_run_hosts_of_unequal_size(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    try:
+        job.start([*agent(job.url, 1, 1, tmp_path / "host1"), str(DIGITS), "--epochs", "2"])
+        job.start([*agent(job.url, 0, 2, tmp_path / "host0"), str(DIGITS), "--epochs", "2"])
+        job.start(coordinator(job.url, 3, tmp_path / "coordinator"))
+        host1, host0, coord = job.finish()
+    finally:
+        job.kill_all()
+    assert [p.returncode for p in job.procs] == [0, 0, 0], (host1, host0, coord)
+    assert "node 1 runs ranks 2-2 of 3" in host1
+    assert "node 0 runs ranks 0-1 of 3" in host0
+    assert "flodl: run completed" in coord
+    found = accuracies(host0, host1)
+    assert len(found) == 3 and len(set(found)) == 1 and found[0] > 0.85  # one model
+    assert (tmp_path / "host1" / "rank2.log").exists()
+    assert sorted(p.name for p in (tmp_path / "host0").glob("rank?.log")) == [
+        "rank0.log",
+        "rank1.log",
+    ]
+
+
+def test_a_rank_killed_on_one_host_is_restarted_by_its_agent_and_rejoins(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    try:
+        job.start(coordinator(job.url, 3, tmp_path / "coordinator"))
+        script = [str(DIGITS), "--epochs", "6"]
+        job.start([*agent(job.url, 0, 2, tmp_path / "host0"), *script])
+        host1 = job.start([*agent(job.url, 1, 1, tmp_path / "host1", "--restarts", "1"), *script])
+        job.read_until(host1, "rank 2: epoch 1 started")
+        (victim,) = rank_pids(host1.pid)
+        os.kill(victim, signal.SIGKILL)
+        coord, host0, host1_out = job.finish()
+    finally:
+        job.kill_all()
+    assert "rank 2: SIGKILL SIGKILL" not in host1_out
+    assert re.search(r"exits: rank 2: SIGKILL 0; restarts: 1", host1_out), host1_out
+    assert "flodl: run completed" in coord
+    assert len(accuracies(host0, host1_out)) == 3
+    records = read_events(tmp_path / "coordinator" / "events.jsonl")
+    joins = [r for r in records if r["kind"] == "RankJoined" and r.get("rank") == 2]
+    deaths = [r for r in records if r["kind"] == "RankDead" and r.get("rank") == 2]
+    assert len(deaths) == 1, deaths
+    assert len(joins) >= 2, [r["kind"] for r in records]  # it joined, died, and joined again
+
+
+def test_a_killed_agent_takes_its_ranks_and_the_other_host_trains_on(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    try:
+        job.start(coordinator(job.url, 3, tmp_path / "coordinator"))
+        script = [str(DIGITS), "--epochs", "6"]
+        host0 = job.start([*agent(job.url, 0, 2, tmp_path / "host0"), *script])
+        host1 = job.start([*agent(job.url, 1, 1, tmp_path / "host1"), *script])
+        job.read_until(host1, "rank 2: epoch 1 started")
+        (orphan,) = rank_pids(host1.pid)
+        watch = os.pidfd_open(orphan)
+        host1.kill()
+        try:  # the orphan saves and exits on its own: nothing else ends it
+            exited, _, _ = select.select([watch], [], [], 60)
+        finally:
+            os.close(watch)
+        assert exited, "the orphaned rank outlived its agent by a minute"
+        coord, host0_out, _ = job.finish()
+    finally:
+        job.kill_all()
+    assert host0.returncode == 0, host0_out
+    assert len(accuracies(host0_out)) == 2  # node 0's ranks trained every epoch
+    assert "flodl: run completed" in coord
+    # The orphan saved its own bundle before it exited.
+    assert list((tmp_path / "host1" / "checkpoints").rglob("*.model.safetensors")), list(
+        (tmp_path / "host1").rglob("*")
+    )
