@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Protocol
 
 import trio
@@ -112,24 +113,20 @@ async def serve_ranks(
         return False
 
     async def serve_connection(stream: trio.abc.Stream) -> None:
-        claimed: int | None = None
-        claimed_node: int | None = None
+        claims: list[tuple[set[int], int]] = []
+        """What this connection holds (the set and the id in it), released when it ends."""
 
-        def taken(rank: int) -> bool:
-            nonlocal claimed
-            if rank in held:
+        def claim(ids: set[int], wanted: int) -> bool:
+            """True if ``wanted`` is held already; else hold it for this connection."""
+            if wanted in ids:
                 return True
-            held.add(rank)
-            claimed = rank
+            ids.add(wanted)
+            claims.append((ids, wanted))
             return False
 
-        def node_taken(node_rank: int) -> bool:
-            nonlocal claimed_node
-            if node_rank in held_nodes:
-                return True
-            held_nodes.add(node_rank)
-            claimed_node = node_rank
-            return False
+        def claimed_rank() -> int | None:
+            """The rank this connection holds (None: none, or it is an agent's)."""
+            return next((wanted for ids, wanted in claims if ids is held), None)
 
         try:
             with trio.move_on_after(handshake_timeout) as deadline:
@@ -138,8 +135,8 @@ async def serve_ranks(
                     key,
                     world_size,
                     signature,
-                    taken=taken,
-                    agent_taken=None if agent_handler is None else node_taken,
+                    taken=partial(claim, held),
+                    agent_taken=None if agent_handler is None else partial(claim, held_nodes),
                     replayed=replayed,
                     max_payload=max_payload,
                 )
@@ -152,18 +149,16 @@ async def serve_ranks(
             else:
                 await handler(hello.rank, channel)
         except _CONNECTION_ERRORS as err:
-            report(claimed, err)
+            report(claimed_rank(), err)
         except BaseExceptionGroup as group:
             # A handler with its own nursery raises groups: one made only of connection
             # errors is still this connection's failure; anything else in it propagates.
             if group.split(_CONNECTION_ERRORS)[1] is not None:
                 raise
-            report(claimed, _sole_leaf(group))
+            report(claimed_rank(), _sole_leaf(group))
         finally:
-            if claimed is not None:
-                held.discard(claimed)
-            if claimed_node is not None:
-                held_nodes.discard(claimed_node)
+            for ids, wanted in claims:
+                ids.discard(wanted)
             await trio.aclose_forcefully(stream)
 
     async with trio.open_nursery() as nursery:

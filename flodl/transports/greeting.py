@@ -28,6 +28,7 @@ from flodl.wire.handshake import (
     NONCE_SIZE,
     PREFIX_CHECK_SIZE,
     SERVER_HELLO_SIZE,
+    ClientState,
     Hello,
     HelloStatus,
     check_client_hello,
@@ -95,16 +96,7 @@ async def connect_rank(
     stream is not closed on failure (the caller owns it).
     """
     hello, state = make_client_hello(key, rank, world_size, signature)
-    await _send_handshake(stream, hello)
-    reply = await _receive_exactly(stream, SERVER_HELLO_SIZE, "reply")
-    keys = check_server_hello(reply, state)
-    return Channel(
-        stream,
-        send_key=keys.to_coordinator,
-        receive_key=keys.to_rank,
-        receive_tags=TO_RANK_TAGS,
-        max_payload=max_payload,
-    )
+    return await _introduce(stream, hello, state, TO_RANK_TAGS, max_payload)
 
 
 async def connect_agent(
@@ -120,6 +112,17 @@ async def connect_agent(
     Raises as :func:`connect_rank` does (DuplicateRank: another live agent speaks for this
     node)."""
     hello, state = make_client_hello(key, node_rank, world_size, agent=True)
+    return await _introduce(stream, hello, state, TO_AGENT_TAGS, max_payload)
+
+
+async def _introduce(
+    stream: trio.abc.Stream,
+    hello: bytes,
+    state: ClientState,
+    receive_tags: frozenset[int],
+    max_payload: int,
+) -> Channel:
+    """Send ``hello``, check the coordinator's reply: the channel, receiving ``receive_tags``."""
     await _send_handshake(stream, hello)
     reply = await _receive_exactly(stream, SERVER_HELLO_SIZE, "reply")
     keys = check_server_hello(reply, state)
@@ -127,7 +130,7 @@ async def connect_agent(
         stream,
         send_key=keys.to_coordinator,
         receive_key=keys.to_rank,
-        receive_tags=TO_AGENT_TAGS,
+        receive_tags=receive_tags,
         max_payload=max_payload,
     )
 

@@ -11,26 +11,15 @@ import re
 import secrets
 import select
 import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from flodl.observe.events import read_events
+from tests.e2e.commands import DIGITS, FLODL, children_of, free_port, read_until
 
 pytestmark = pytest.mark.slow
-
-DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
-FLODL = [sys.executable, "-m", "flodl.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def agent(url: str, node: int, nproc: int, run_dir: Path, *flags: str) -> list[str]:
@@ -83,15 +72,8 @@ class Job:
 
     def read_until(self, proc: subprocess.Popen[str], needle: str) -> str:
         """``proc``'s output up to the line holding ``needle`` (kept for :meth:`finish`)."""
-        assert proc.stdout is not None
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if needle in line:
-                break
-        text = "".join(seen)
+        text = read_until(proc, needle)
         self.outputs[proc.pid] = self.outputs.get(proc.pid, "") + text
-        assert needle in text, text
         return text
 
     def finish(self) -> list[str]:
@@ -109,12 +91,6 @@ class Job:
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
-
-
-def rank_pids(agent_pid: int) -> list[int]:
-    """The agent's child processes (its ranks; trio starts them from worker threads)."""
-    tasks = Path(f"/proc/{agent_pid}/task")
-    return [int(pid) for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
 
 
 def accuracies(*outputs: str) -> list[float]:
@@ -151,7 +127,7 @@ def test_a_rank_killed_on_one_host_is_restarted_by_its_agent_and_rejoins(tmp_pat
         job.start([*agent(job.url, 0, 2, tmp_path / "host0"), *script])
         host1 = job.start([*agent(job.url, 1, 1, tmp_path / "host1", "--restarts", "1"), *script])
         job.read_until(host1, "rank 2: epoch 1 started")
-        (victim,) = rank_pids(host1.pid)
+        (victim,) = children_of(host1.pid)
         os.kill(victim, signal.SIGKILL)
         coord, host0, host1_out = job.finish()
     finally:
@@ -175,7 +151,7 @@ def test_a_killed_agent_takes_its_ranks_and_the_other_host_trains_on(tmp_path: P
         host0 = job.start([*agent(job.url, 0, 2, tmp_path / "host0"), *script])
         host1 = job.start([*agent(job.url, 1, 1, tmp_path / "host1"), *script])
         job.read_until(host1, "rank 2: epoch 1 started")
-        (orphan,) = rank_pids(host1.pid)
+        (orphan,) = children_of(host1.pid)
         watch = os.pidfd_open(orphan)
         host1.kill()
         try:  # the orphan saves and exits on its own: nothing else ends it

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from flodl.observe.events import read_events
+from tests.e2e.commands import children_of, read_until
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +64,16 @@ def two_hosts() -> Iterator[tuple[str, str]]:
                 except ProcessLookupError:
                     pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+def end_all(procs: list[subprocess.Popen[str]]) -> None:
+    """Kill what still runs of ``procs`` and reap every one."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def in_ns(ns: str, *command: str, env: dict[str, str]) -> subprocess.Popen[str]:
@@ -121,12 +132,7 @@ def test_digits_trains_across_two_hosts_and_survives_a_far_sigkill(
         outputs = [p.communicate(timeout=180)[0] for p in procs[1:3]]
         rest, _ = coordinator.communicate(timeout=60)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+        end_all(procs)
     assert [procs[1].returncode, procs[2].returncode, coordinator.returncode] == [0, 0, 0], (
         outputs,
         rest,
@@ -143,3 +149,49 @@ def test_digits_trains_across_two_hosts_and_survives_a_far_sigkill(
     assert reformed["members"] == [0, 1] and reformed["took_s"] < 5.0
     after = [r for r in records if r["kind"] == "SyncEnd" and r["generation"] == 1]
     assert after and all(list(r["ranks"]) == ["0", "1"] for r in after)
+
+
+def test_one_agent_per_host_restarts_a_far_rank_and_a_far_agent_takes_its_ranks(
+    two_hosts: tuple[str, str], tmp_path: Path
+) -> None:
+    """2 hosts x 2 ranks, one agent each, started before the coordinator (on host A). A rank
+    killed on host B is restarted by B's agent and rejoins; then B's agent is killed: its
+    ranks save their bundles and go, and A's ranks train to the end."""
+    near, far = two_hosts
+    env = dict(os.environ, FLODL_SESSION_KEY=secrets.token_hex(32), PYTHONUNBUFFERED="1")
+    flodl = [sys.executable, "-m", "flodl.cli"]
+    url = f"tcp://{NEAR}:29400"
+    script = [str(DIGITS), "--epochs", "8"]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for node, ns in ((0, near), (1, far)):
+            command = [*flodl, "agent", "--coordinator", url, "--node-rank", str(node)]
+            command += ["--nproc", "2", "--restarts", "1", "--run-dir", str(tmp_path / ns)]
+            procs.append(in_ns(ns, *command, *script, env=env))
+        coordinator = [*flodl, "coordinator", "--listen", url, "--world-size", "4"]
+        coordinator += ["--run-dir", str(tmp_path / "coordinator"), "--heartbeat-timeout", "5"]
+        procs.append(in_ns(near, *coordinator, env=env))
+        agent_a, agent_b, coord = procs
+        read_until(agent_b, "rank 3: epoch 1 started")
+        victim = max(children_of(agent_b.pid))  # one of B's two ranks
+        os.kill(victim, signal.SIGKILL)
+        read_until(agent_b, "rank 3: epoch")  # B's ranks train on with the restarted one
+        read_until(agent_b, "epoch")
+        orphans = children_of(agent_b.pid)
+        assert len(orphans) == 2 and victim not in orphans
+        agent_b.kill()
+        out_a, _ = agent_a.communicate(timeout=180)
+        rest, _ = coord.communicate(timeout=60)
+    finally:
+        end_all(procs)
+    assert agent_a.returncode == 0, out_a
+    assert "flodl: run completed" in rest, rest
+    accuracies = {float(a) for a in re.findall(r"test accuracy (\d\.\d+)", out_a)}
+    assert len(accuracies) == 1 and accuracies.pop() > 0.85  # A's two ranks, one model
+    records = read_events(tmp_path / "coordinator" / "events.jsonl")
+    joined = [r["rank"] for r in records if r["kind"] == "RankJoined"]
+    assert sorted(joined[:4]) == [0, 1, 2, 3] and len(joined) >= 5  # and the restarted rank
+    dead = {r["rank"] for r in records if r["kind"] == "RankDead"}
+    assert dead == {2, 3}, records
+    bundles = list((tmp_path / far / "checkpoints").rglob("*.model.safetensors"))
+    assert {p.parent.name for p in bundles} == {"rank2", "rank3"}, bundles

@@ -7,27 +7,16 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from flodl.observe.events import read_events
+from tests.e2e.commands import DIGITS, FLODL, free_port
 
 pytestmark = pytest.mark.slow
-
-DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
-FLODL = [sys.executable, "-m", "flodl.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def start(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen[str]:
