@@ -120,6 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="relay only these ranks' output (as torchrun's --local-ranks-filter); every "
         "rank's output is in run_dir/rank<N>.log whatever this says",
     )
+    run.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="hosts in the run, each running this command with its own --node-rank (torchrun's "
+        "flag); node 0 also serves the coordinator at --coordinator",
+    )
+    run.add_argument(
+        "--node-rank", type=int, default=0, metavar="K", help="this host's index, 0 .. N - 1"
+    )
+    run.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --nnodes: where node 0 serves the coordinator (an address of node 0)",
+    )
     run.add_argument("--transport", choices=["tcp", "unix"], default="tcp")
     run.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     run.add_argument(
@@ -291,6 +308,8 @@ def _run(args: argparse.Namespace) -> int:
 
     # Every check here runs before any rank starts: a usage error is one message, exit 2.
     args.nproc = nproc_of(args.nproc)  # a number from here on (--min-ranks is checked by it)
+    if args.nnodes != 1 or args.coordinator is not None:
+        return _run_nodes(args)
     config = LaunchConfig(
         script=args.script,
         script_args=tuple(args.script_args),
@@ -323,6 +342,15 @@ def _run(args: argparse.Namespace) -> int:
         with unread_is_fine():
             _write_report(config.run_dir)
     return 0 if run_succeeded(summary) else 1
+
+
+def _run_nodes(args: argparse.Namespace) -> int:
+    """``flodl run --nnodes N --node-rank K --coordinator HOST:PORT``: :mod:`flodl.launch.nodes`."""
+    from flodl.launch.nodes import run_nodes_command
+
+    world = args.nnodes * args.nproc if isinstance(args.nnodes, int) and args.nnodes > 0 else 0
+    config = _coordinator_config(argparse.Namespace(**{**vars(args), "nproc": world}))
+    return run_nodes_command(args, config, view_config_from(args))
 
 
 def _coordinator(args: argparse.Namespace) -> int:

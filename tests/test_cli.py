@@ -43,6 +43,16 @@ def script(tmp_path: Path) -> Path:
         (["--nproc", "many"], "--nproc must be a number, auto, gpu or cpu, got 'many'"),
         (["--nproc", "gpu"], "--nproc gpu: torch sees no usable GPU on this host"),
         (["--show-ranks", "0,x"], "--show-ranks must list ranks like 0,2 or 0-3, got '0,x'"),
+        (["--nnodes", "2"], "--nnodes needs --coordinator HOST:PORT, where node 0 serves it"),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--coordinator", "h:1"],
+            "--node-rank must be below --nnodes (2), got 2",
+        ),
+        (["--nnodes", "0"], "--nnodes must be an integer >= 1, got 0"),
+        (
+            ["--nnodes", "2", "--coordinator", "unix:///x"],
+            "--coordinator must be HOST:PORT (an address of node 0)",
+        ),
         (["--outer-lr", "-0.5"], "--outer-lr must be a number > 0, got -0.5"),
         (["--outer-lr", "nan"], "--outer-lr must be a number > 0, got nan"),
         (["--outer-momentum", "1"], "--outer-momentum must be a number in [0, 1), got 1.0"),

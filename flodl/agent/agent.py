@@ -108,6 +108,7 @@ def agent_rank_environment(
         master_addr=master_addr,
         master_port=config.master_port,
         lifeline_fd=lifeline,
+        resume=None if config.resume is None else config.resume.resolve(),
     )
     env.update(rank_env.variables())
     env["PYTHONUNBUFFERED"] = "1"

@@ -38,6 +38,8 @@ class AgentConfig:
     master_addr: str | None = None
     """MASTER_ADDR for a script's own rendezvous (None: the coordinator's host)."""
     master_port: int = 29500
+    resume: Path | None = None
+    """A checkpoint bundle on this host every rank resumes from (``FLODL_RESUME``)."""
     python: str = sys.executable
     echo: bool = True
     show_ranks: frozenset[int] | None = None

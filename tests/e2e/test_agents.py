@@ -6,6 +6,7 @@ is killed, and take their ranks with them when they are killed themselves.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -169,3 +170,44 @@ def test_a_killed_agent_takes_its_ranks_and_the_other_host_trains_on(tmp_path: P
     assert list((tmp_path / "host1" / "checkpoints").rglob("*.model.safetensors")), list(
         (tmp_path / "host1").rglob("*")
     )
+
+
+def test_flodl_run_with_nnodes_serves_the_coordinator_on_node_0(tmp_path: Path) -> None:
+    """torchrun's shape: the same command on every host but --node-rank; node 1 starts first."""
+    job = Job(tmp_path)
+    address = job.url.removeprefix("tcp://")
+
+    def node(rank: int) -> list[str]:
+        return [
+            *FLODL,
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--coordinator",
+            address,
+            "--nproc",
+            "1",
+            "--run-dir",
+            str(tmp_path / f"node{rank}"),
+            "--no-live",
+            str(DIGITS),
+            "--epochs",
+            "2",
+        ]
+
+    try:
+        job.start(node(1))
+        job.start(node(0))
+        node1, node0 = job.finish()
+    finally:
+        job.kill_all()
+    assert [p.returncode for p in job.procs] == [0, 0], (node1, node0)
+    assert "node 1 runs ranks 1-1 of 2" in node1
+    assert "node 0 runs ranks 0-0 of 2" in node0
+    found = accuracies(node0, node1)
+    assert len(found) == 2 and len(set(found)) == 1 and found[0] > 0.85
+    summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["root_cause"] is None
+    assert (tmp_path / "node0" / "events.jsonl").exists()
