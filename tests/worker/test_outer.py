@@ -23,6 +23,7 @@ from flodl.worker.records import tensors_sha256
 from tests.worker.test_inprocess import make_model, run_two_ranks, train
 
 NESTEROV = OuterSettings("nesterov", 0.7, 0.9)
+SGD = OuterSettings("sgd")  # the run default: lr 1.5, no momentum buffer
 
 
 async def run_pair(
@@ -50,11 +51,21 @@ async def run_pair(
     return reports, models
 
 
-@pytest.mark.parametrize("policy", [Policy.SYNC, Policy.CADENCE, Policy.ASYNC])
+@pytest.mark.parametrize(
+    ("policy", "outer"),
+    [
+        (Policy.SYNC, NESTEROV),
+        (Policy.CADENCE, NESTEROV),
+        (Policy.ASYNC, NESTEROV),
+        (Policy.CADENCE, SGD),
+        (Policy.ASYNC, SGD),
+    ],
+    ids=["sync-nesterov", "cadence-nesterov", "async-nesterov", "cadence-sgd", "async-sgd"],
+)
 async def test_every_round_leaves_the_outer_state_equal_on_every_rank(
-    policy: Policy, tmp_path: Path
+    policy: Policy, outer: OuterSettings, tmp_path: Path
 ) -> None:
-    reports, models = await run_pair(tmp_path, policy, NESTEROV)
+    reports, models = await run_pair(tmp_path, policy, outer)
     rounds = [{h["round"]: h for h in r["param_hashes"]} for r in reports]
     assert rounds[0].keys() == rounds[1].keys() and len(rounds[0]) >= 3
     versions = []
@@ -72,6 +83,7 @@ async def test_every_round_leaves_the_outer_state_equal_on_every_rank(
     # The bundle each rank saved at the end holds the same outer state.
     states = [load_bundle(_latest(tmp_path, rank)).outer_state for rank in range(2)]
     assert states[0].keys() == states[1].keys() and "global.0" in states[0]
+    assert ("momentum.0" in states[0]) is (outer.momentum > 0)  # sgd keeps no momentum
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
     assert int(states[0]["version"]) == versions[-1]
     if policy is not Policy.ASYNC:
