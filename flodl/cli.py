@@ -404,6 +404,7 @@ def _coordinator(args: argparse.Namespace) -> int:
                         world_size=args.world_size,
                         policy=config.policy.value,
                         run_dir=args.run_dir,
+                        exits=coordinator.agents.exits if coordinator.agents else (),
                     )
                 )
                 summary["wall_s"] = time.time() - clocks[0]

@@ -39,6 +39,7 @@ from flodl.supervise.exits import ExitFact, ExitLog, describe_exit, signal_name
 if TYPE_CHECKING:
     from flodl.coordinator.signals import StopSignals
     from flodl.core.coordinator.record import RunRecord
+    from flodl.wire.messages import RankExited
 
 __all__ = [
     "add_failure_report",
@@ -310,9 +311,13 @@ def coordinator_summary(
     world_size: int,
     policy: str,
     run_dir: Path,
+    exits: Sequence[RankExited] = (),
 ) -> dict[str, Any]:
     """``flodl coordinator``'s ``summary.json``: the run as the coordinator saw it (it sees no
-    processes and no other host's disk): status, the ranks it knew, who it lost first."""
+    other host's disk): status, the ranks it knew, who it lost first. ``exits``: what node
+    agents reported of their ranks' processes; a death they explain carries the exit code or
+    signal, the pid and the traceback's tail, and is named in the root cause as ``flodl run``
+    names it (``raised``, ``killed``, ``exited``)."""
     clock_unix, trio_start = clocks
 
     def unix(t: float | None) -> float | None:
@@ -343,6 +348,7 @@ def coordinator_summary(
         }
         for e in record.timeline.of_kind(EventKind.RANK_DEAD)
     ]
+    _explain_deaths(deaths, exits)
     summary: dict[str, Any] = {
         "status": outcome.status.value,
         "save_reason": None if outcome.save_reason is None else outcome.save_reason.name,
@@ -368,6 +374,18 @@ def _coordinator_root_cause(
     if coordinator_succeeded(summary):
         return None
     for death in deaths:
+        if "pid" in death:  # a node agent saw the process end
+            if _is_consequence(death["error"], None):
+                continue
+            when = min(t for t in (death["exited_unix"], death["detected_unix"]) if t is not None)
+            kind = "raised" if death["error"] else "killed" if death["signal"] else "exited"
+            fields = ("rank", "pid", "exit_code", "signal", "error", "traceback_tail")
+            return {
+                **{name: death[name] for name in fields},
+                "kind": kind,
+                "time_unix": when,
+                "time": _iso(when),
+            }
         if death["cause"] != "exited":
             when = death["detected_unix"]
             return {
@@ -379,6 +397,40 @@ def _coordinator_root_cause(
                 "time": None if when is None else _iso(when),
             }
     return _fallback(summary, stops)
+
+
+EXIT_MATCH_S = 30.0
+"""An agent's report of an exit explains a death detected this close to it (either way)."""
+
+
+def _explain_deaths(deaths: list[dict[str, Any]], exits: Sequence[RankExited]) -> None:
+    """Add to each death the agent's report of the exit it came from, if there is one: the
+    failed exit of that rank nearest in time (each report explains one death)."""
+    used: set[int] = set()
+    for death in deaths:
+        detected = death["detected_unix"]
+        near = [
+            (abs(exit.exited_unix - detected), index)
+            for index, exit in enumerate(exits)
+            if index not in used
+            and exit.rank == death["rank"]
+            and exit.returncode != 0
+            and detected is not None
+            and abs(exit.exited_unix - detected) <= EXIT_MATCH_S
+        ]
+        if not near:
+            continue
+        _, index = min(near)
+        used.add(index)
+        exit = exits[index]
+        parsed = traceback_tail(exit.tail)
+        death.update(
+            pid=exit.pid,
+            exited_unix=exit.exited_unix,
+            **describe_exit(exit.returncode),
+            error=None if parsed is None else parsed[0],
+            traceback_tail=[] if parsed is None else parsed[1],
+        )
 
 
 def coordinator_succeeded(summary: dict[str, Any]) -> bool:

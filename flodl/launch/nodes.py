@@ -101,6 +101,7 @@ async def run_first_node(
                     world_size=world_size,
                     policy=coordinator.policy.value,
                     run_dir=run_dir,
+                    exits=served.agents.exits if served.agents else (),
                 )
             )
             summary["wall_s"] = time.time() - clocks[0]

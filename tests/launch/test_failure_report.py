@@ -14,9 +14,17 @@ from typing import Any
 import attrs
 import pytest
 
+from flodl.coordinator.signals import StopSignals
+from flodl.core.coordinator.ending import Outcome, Status
 from flodl.core.coordinator.timeline import EventKind, Timeline
-from flodl.launch.failure_report import add_failure_report, print_root_cause, traceback_tail
+from flodl.launch.failure_report import (
+    add_failure_report,
+    coordinator_summary,
+    print_root_cause,
+    traceback_tail,
+)
 from flodl.supervise.exits import ExitLog, describe_exit, exit_text, signal_name
+from flodl.wire.messages import RankExited, SaveReason
 
 RAISED = """\
 [flodl] rank 1 joined
@@ -235,3 +243,74 @@ def test_a_rank_that_hung_before_printing_its_traceback_raised_by_its_report(
         [],
     )
     assert cause["time_unix"] == (tmp_path / "rank1.json").stat().st_mtime
+
+
+# --- flodl coordinator, with node agents -----------------------------------------------------
+
+
+@attrs.define
+class FakeRecord:
+    """What coordinator_summary reads of the coordinator's machine."""
+
+    outcome: Outcome
+    timeline: Timeline = attrs.field(factory=Timeline)
+    stats: list[Any] = attrs.field(factory=list)
+    stop_saves: dict[int, Any] = attrs.field(factory=dict)
+    global_step: int = 0
+    round: int = 0
+
+
+def test_an_agents_report_names_the_coordinators_root_cause_as_flodl_run_would(
+    tmp_path: Path,
+) -> None:
+    """The coordinator only saw rank 2's connection close; rank 2's agent reported that it
+    raised (with its traceback), and rank 1's that it was killed later: rank 2 is the cause."""
+    record = FakeRecord(Outcome(Status.SAVED, SaveReason.SINGLE_SURVIVOR, "too few ranks"))
+    record.timeline.add(5.0, EventKind.RANK_DEAD, rank=2, cause="disconnected", why="closed")
+    record.timeline.add(9.0, EventKind.RANK_DEAD, rank=1, cause="exited", why="exited -9")
+    exits = [
+        RankExited(1, 501, -9, 1009.2, False, "rank 1: epoch 3 started\n"),
+        RankExited(2, 502, 1, 1004.9, False, RAISED),
+        RankExited(2, 999, 1, 1200.0, False, RAISED),  # much later: explains nothing here
+    ]
+    clocks = (1000.0, 0.0)  # unix 1000 is trio time 0
+    summary = coordinator_summary(
+        record,  # type: ignore[arg-type]
+        StopSignals(),
+        clocks,
+        world_size=3,
+        policy="cadence",
+        run_dir=tmp_path,
+        exits=exits,
+    )
+    two, one = summary["deaths"]
+    assert (two["pid"], two["exit_code"], two["signal"]) == (502, 1, None)
+    assert two["error"] == "ValueError: bad batch 5"
+    assert (one["pid"], one["exit_code"], one["signal"], one["error"]) == (
+        501,
+        None,
+        "SIGKILL",
+        None,
+    )
+    cause = summary["root_cause"]
+    assert (cause["rank"], cause["pid"], cause["kind"]) == (2, 502, "raised")
+    assert cause["time_unix"] == 1004.9  # the exit, before the coordinator noticed
+    assert cause["traceback_tail"][-1] == "ValueError: bad batch 5"
+    out = io.StringIO()
+    print_root_cause(summary, out)
+    assert "kind:  raised" in out.getvalue() and "exit code 1" in out.getvalue()
+
+
+def test_without_agents_the_coordinator_names_the_first_rank_it_lost(tmp_path: Path) -> None:
+    record = FakeRecord(Outcome(Status.SAVED, SaveReason.SINGLE_SURVIVOR, "too few ranks"))
+    record.timeline.add(5.0, EventKind.RANK_DEAD, rank=2, cause="silent", why="no heartbeat")
+    summary = coordinator_summary(
+        record,  # type: ignore[arg-type]
+        StopSignals(),
+        (1000.0, 0.0),
+        world_size=3,
+        policy="cadence",
+        run_dir=tmp_path,
+    )
+    assert "pid" not in summary["deaths"][0]
+    assert summary["root_cause"]["kind"] == "lost" and summary["root_cause"]["cause"] == "silent"
