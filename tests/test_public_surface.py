@@ -713,8 +713,21 @@ SAVE_REASONS = {
     "CHECKPOINT": 5,
 }
 
-FROM_AGENT_TAGS = {"AgentJoin": 128, "RankExited": 129, "AgentStop": 130}
-TO_AGENT_TAGS = {"AssignRanks": 160, "RunOver": 161, "AgentRefusal": 162}
+FROM_AGENT_TAGS = {
+    "AgentJoin": 128,
+    "RankExited": 129,
+    "AgentStop": 130,
+    "TunnelOpen": 131,
+    "TunnelUp": 132,
+    "TunnelClosed": 133,
+}
+TO_AGENT_TAGS = {
+    "AssignRanks": 160,
+    "RunOver": 161,
+    "AgentRefusal": 162,
+    "TunnelDown": 163,
+    "TunnelEnd": 164,
+}
 ALL_TAGS = {**TO_RANK_TAGS, **TO_COORDINATOR_TAGS, **FROM_AGENT_TAGS, **TO_AGENT_TAGS}
 
 INTENT_KINDS = {"EVAL_NOW": 0, "CHECKPOINT_NOW": 1, "SAVE_AND_STOP": 2, "STOP": 3}

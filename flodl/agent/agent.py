@@ -72,10 +72,13 @@ def agent_rank_environment(
     key_file: Path,
     restart_count: int,
     lifeline: int | None = None,
+    coordinator: str | None = None,
 ) -> dict[str, str]:
     """The environment of this node's ``local_rank``: the agent's, plus torchrun's variables and
     what a flodl rank reads (the key by file only; ``lifeline``: the read end of the pipe whose
-    end tells the rank that this agent died)."""
+    end tells the rank that this agent died; ``coordinator``: where the rank connects, the
+    agent's own socket, default the coordinator's address)."""
+    coordinator = coordinator or config.coordinator
     env = dict(os.environ)
     env.pop(SESSION_KEY, None)
     rank = assignment.first_rank + local_rank
@@ -96,7 +99,7 @@ def agent_rank_environment(
     del env["GROUP_WORLD_SIZE"]  # the number of nodes is not known to an agent
     env["NODE_RANK"] = str(config.node_rank)
     rank_env = RankEnv(
-        coordinator=config.coordinator,
+        coordinator=coordinator,
         rank=rank,
         world_size=assignment.world_size,
         local_rank=local_rank,
@@ -154,6 +157,7 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
             key_file,
             earlier[0] if earlier else 0,
             lifeline,
+            link.tunnels.url,
         )
         return await trio.lowlevel.open_process(
             [config.python, config.script, *config.script_args],
@@ -165,9 +169,22 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
             start_new_session=True,  # out of the terminal's process group: signals are ours
         )
 
+    tunnels = trio.CancelScope()
+
+    async def carry_ranks(task_status: trio.TaskStatus[None]) -> None:
+        with tunnels:
+            await link.tunnels.serve(task_status=task_status)
+
+    async def carry_link() -> None:
+        try:
+            await link.run()
+        finally:
+            tunnels.cancel()  # the coordinator is gone: so is every rank's connection
+
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(link.run)
+            await nursery.start(carry_ranks)
+            nursery.start_soon(carry_link)
             kill = functools.partial(kill_rank_groups, spawned)
             says = ("kill this host's ranks", "killing this host's ranks")
             await nursery.start(watch_signals, link, stops, kill, says)

@@ -21,11 +21,13 @@ import attrs
 import trio
 
 from flodl.agent.config import AgentConfig
+from flodl.agent.tunnel import Chunk, RankTunnels
 from flodl.errors import AgentRefused, ChannelClosed, CoordinatorError, FlodlError
 from flodl.supervise.exits import RankExit
 from flodl.transports.channel import Channel
 from flodl.transports.greeting import connect_agent
 from flodl.transports.reach import local_address, reach_patiently
+from flodl.wire.fields import MAX_BLOB
 from flodl.wire.messages import (
     AgentJoin,
     AgentRefusal,
@@ -34,6 +36,9 @@ from flodl.wire.messages import (
     Message,
     RankExited,
     RunOver,
+    TunnelDown,
+    TunnelEnd,
+    TunnelUp,
 )
 
 __all__ = ["AgentLink", "NodeAssignment", "open_agent_link"]
@@ -63,7 +68,9 @@ class AgentLink:
         self._channel = channel
         self._node_rank = node_rank
         self._log_dir = log_dir
-        self._outgoing, self._queued = trio.open_memory_channel[Message](math.inf)
+        self._outgoing, self._queued = trio.open_memory_channel[Message | Chunk](math.inf)
+        self.tunnels = RankTunnels(self._outgoing.send_nowait)
+        """Where the node's ranks connect; their bytes go up this link."""
         self.run_over = False
         """The coordinator said the run ended (RunOver)."""
         self.lost: FlodlError | None = None
@@ -111,9 +118,17 @@ class AgentLink:
             self.ended.set()
 
     async def _send_queued(self) -> None:
-        async for message in self._queued:
+        """Send what is queued, in order; the ranks' bytes queued together go up as one
+        TunnelUp (what arrived together: a round's acks, a window's reports)."""
+        async for first in self._queued:
+            items = [first]
+            while True:
+                try:
+                    items.append(self._queued.receive_nowait())
+                except trio.WouldBlock:
+                    break
             try:
-                await self._channel.send(message)
+                await self._channel.send_many(_folded(items))
             except FlodlError as err:
                 self._lose(err)
                 return
@@ -129,7 +144,12 @@ class AgentLink:
             except FlodlError as err:
                 self._lose(err)
                 return
-            if isinstance(message, RunOver):
+            if isinstance(message, TunnelDown):
+                for slot, chunk in zip(message.slots, message.chunks, strict=True):
+                    self.tunnels.down(slot, chunk)
+            elif isinstance(message, TunnelEnd):
+                self.tunnels.end(message.slot)
+            elif isinstance(message, RunOver):
                 self.run_over = True
                 self.ended.set()
             elif isinstance(message, AgentRefusal):
@@ -173,6 +193,36 @@ async def open_agent_link(config: AgentConfig, key: bytes) -> tuple[AgentLink, N
         raise
     assignment = NodeAssignment(reply.first_rank, reply.nproc, reply.world_size, host)
     return AgentLink(channel, config.node_rank, config.run_dir), assignment
+
+
+def _folded(items: list[Message | Chunk]) -> list[Message]:
+    """``items`` as messages, in order: each run of chunks one TunnelUp (or more, each within
+    a frame's size)."""
+    out: list[Message] = []
+    slots: list[int] = []
+    chunks: list[bytes] = []
+    size = 0
+
+    def close_run() -> None:
+        nonlocal size
+        if chunks:
+            out.append(TunnelUp(tuple(slots), tuple(chunks)))
+            slots.clear()
+            chunks.clear()
+            size = 0
+
+    for item in items:
+        if isinstance(item, Chunk):
+            if size + len(item.data) > MAX_BLOB:
+                close_run()
+            slots.append(item.slot)
+            chunks.append(item.data)
+            size += len(item.data)
+        else:
+            close_run()
+            out.append(item)
+    close_run()
+    return out
 
 
 def _tail(log: Path) -> str:

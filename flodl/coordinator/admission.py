@@ -15,7 +15,7 @@ from typing import Protocol
 
 import trio
 
-from flodl.errors import ConfigError, FlodlError, HandshakeTimeout
+from flodl.errors import AgentRefused, ConfigError, FlodlError, HandshakeTimeout
 from flodl.transports.channel import Channel
 from flodl.transports.errors import STREAM_ERRORS
 from flodl.transports.greeting import accept_peer
@@ -27,6 +27,9 @@ logger = logging.getLogger("flodl.coordinator.admission")
 RankHandler = Callable[[int, Channel], Awaitable[None]]
 """``await handler(rank, channel)`` serves one admitted rank until it returns (or, for a node
 agent, ``await agent_handler(node_rank, channel)``)."""
+
+Tunneled = tuple[trio.abc.Stream, Callable[[int], bool]]
+"""A rank's stream through its node agent, and which ranks that agent may speak for."""
 
 RankErrorHandler = Callable[[int | None, BaseException], None]
 """``on_rank_error(rank or None, error)``: one connection failed (rank None: before it had one)."""
@@ -71,6 +74,7 @@ async def serve_ranks(
     max_payload: int = DEFAULT_MAX_PAYLOAD,
     on_rank_error: RankErrorHandler | None = None,
     agent_handler: RankHandler | None = None,
+    tunnels: trio.MemoryReceiveChannel[Tunneled] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Admit ranks from ``listener`` and run ``await handler(rank, channel)`` for each.
@@ -79,6 +83,11 @@ async def serve_ranks(
     rank held by one connection at a time as ranks are, and served by
     ``await agent_handler(node_rank, channel)``; their errors are reported as a rank's, with
     the rank None. Without it an agent's hello is refused (ProtocolError).
+
+    ``tunnels`` brings the streams of ranks that reach the coordinator through their node
+    agent (:mod:`flodl.coordinator.tunnels`), each with the ranks its agent may speak for: they
+    are admitted exactly as a listener's streams are, except that a hello for another rank
+    (AgentRefused) or an agent's hello (ProtocolError) is refused.
 
     Each connection runs in its own task: the handshake must finish within
     ``handshake_timeout`` seconds (else HandshakeTimeout); a rank id is held from the moment
@@ -112,12 +121,16 @@ async def serve_ranks(
         spent.add(nonce)
         return False
 
-    async def serve_connection(stream: trio.abc.Stream) -> None:
+    async def serve_connection(
+        stream: trio.abc.Stream, allowed: Callable[[int], bool] | None = None
+    ) -> None:
         claims: list[tuple[set[int], int]] = []
         """What this connection holds (the set and the id in it), released when it ends."""
 
         def claim(ids: set[int], wanted: int) -> bool:
             """True if ``wanted`` is held already; else hold it for this connection."""
+            if allowed is not None and not allowed(wanted):
+                raise AgentRefused(f"rank {wanted} came through the agent of another node")
             if wanted in ids:
                 return True
             ids.add(wanted)
@@ -136,7 +149,11 @@ async def serve_ranks(
                     world_size,
                     signature,
                     taken=partial(claim, held),
-                    agent_taken=None if agent_handler is None else partial(claim, held_nodes),
+                    agent_taken=(
+                        None
+                        if agent_handler is None or allowed is not None
+                        else partial(claim, held_nodes)
+                    ),
                     replayed=replayed,
                     max_payload=max_payload,
                 )
@@ -161,11 +178,21 @@ async def serve_ranks(
                 ids.discard(wanted)
             await trio.aclose_forcefully(stream)
 
+    taking_tunnels = trio.CancelScope()
+
+    async def serve_tunnels(arriving: trio.MemoryReceiveChannel[Tunneled]) -> None:
+        with taking_tunnels:
+            async for stream, allowed in arriving:
+                nursery.start_soon(serve_connection, stream, allowed)
+
     async with trio.open_nursery() as nursery:
+        if tunnels is not None:
+            nursery.start_soon(serve_tunnels, tunnels)
         task_status.started()
         while True:
             try:
                 stream = await listener.accept()
             except trio.ClosedResourceError:
+                taking_tunnels.cancel()  # no new rank from anywhere; the admitted go on
                 return
             nursery.start_soon(serve_connection, stream)

@@ -21,10 +21,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import trio
 
+from flodl.coordinator.admission import Tunneled
 from flodl.coordinator.links import CONNECTION_ERRORS
+from flodl.coordinator.tunnels import Downlink, TunnelStream
 from flodl.core.coordinator.hosts import HostTable
 from flodl.errors import AgentRefused, ChannelClosed, HandshakeTimeout
 from flodl.supervise.exits import RankExit
@@ -37,6 +40,9 @@ from flodl.wire.messages import (
     Message,
     RankExited,
     RunOver,
+    TunnelClosed,
+    TunnelOpen,
+    TunnelUp,
 )
 
 log = logging.getLogger("flodl.coordinator.agents")
@@ -49,7 +55,8 @@ class AgentDesk:
 
     ``rank_exited`` and ``request_stop`` are the coordinator's (an exit goes to its death
     detection at once; a stop ends the run with a save); ``run_over`` is set when the run
-    ends; ``join_timeout``: seconds an agent has to say AgentJoin after its handshake.
+    ends; ``join_timeout``: seconds an agent has to say AgentJoin after its handshake;
+    ``tunnels``: where the streams of the ranks an agent carries go to be admitted.
     """
 
     def __init__(
@@ -60,8 +67,10 @@ class AgentDesk:
         request_stop: Callable[[], None],
         run_over: trio.Event,
         join_timeout: float,
+        tunnels: trio.MemorySendChannel[Tunneled],
     ) -> None:
         self.table = HostTable(world_size)
+        self._tunnels = tunnels
         self._rank_exited = rank_exited
         self._request_stop = request_stop
         self._run_over = run_over
@@ -92,13 +101,22 @@ class AgentDesk:
         log.info("node %d's agent joined from %s with %d ranks", node_rank, join.host, join.nproc)
         for numbered in fresh:
             self._numbered_event(numbered.node_rank).set()
+        carried = _Carried(node_rank, Downlink(channel))
         try:
             async with trio.open_nursery() as nursery:
+
+                async def write_down() -> None:
+                    await carried.downlink.run()
+                    nursery.cancel_scope.cancel()  # returns only once the connection failed
+
+                nursery.start_soon(write_down)
                 nursery.start_soon(self._tell, node_rank, channel)
-                await self._listen(node_rank, channel)
+                await self._listen(node_rank, channel, carried)
                 nursery.cancel_scope.cancel()
         finally:
             self.table.leave(node_rank)
+            for stream in carried.streams.values():
+                stream.feed_eof()  # the agent is gone: so is every rank it carried
 
     def _joined(self, node_rank: int, first: Message) -> AgentJoin:
         if not isinstance(first, AgentJoin):
@@ -112,6 +130,10 @@ class AgentDesk:
             )
         return first
 
+    def _runs(self, node_rank: int, rank: int) -> bool:
+        """Whether ``rank`` is one of node ``node_rank``'s."""
+        return self.table.owner(rank) == node_rank
+
     def _numbered_event(self, node_rank: int) -> trio.Event:
         return self._numbered.setdefault(node_rank, trio.Event())
 
@@ -124,40 +146,75 @@ class AgentDesk:
         await self._run_over.wait()
         await channel.send(RunOver("the run ended"))
 
-    async def _listen(self, node_rank: int, channel: Channel) -> None:
+    async def _listen(self, node_rank: int, channel: Channel, carried: _Carried) -> None:
+        """Take the agent's messages until its connection ends; AgentRefused (the agent told
+        why first) for one that claims what is not the agent's."""
         while True:
             try:
                 message = await channel.receive()
             except ChannelClosed:
                 return
-            if isinstance(message, RankExited):
-                owner = self.table.owner(message.rank)
-                if owner != node_rank:
-                    err = AgentRefused(
-                        f"node {node_rank}'s agent reported the exit of rank {message.rank}, "
-                        f"which it does not run"
-                    )
-                    await _refuse(channel, err)
-                    raise err
-                self.exits.append(message)
-                exit = RankExit(
-                    message.rank,
-                    message.pid,
-                    message.returncode,
-                    message.exited_unix,
-                    message.restarting,
-                )
-                for notice in self._rank_exited(exit):
-                    log.warning("%s", notice)
-            elif isinstance(message, AgentStop):
-                log.warning("node %d's agent asks the run to stop: %s", node_rank, message.reason)
-                self._request_stop()
-            else:
-                err = AgentRefused(
-                    f"node {node_rank}'s agent sent {type(message).__name__} after joining"
-                )
+            try:
+                self._take(node_rank, message, carried)
+            except AgentRefused as err:
                 await _refuse(channel, err)
-                raise err
+                raise
+
+    def _take(self, node_rank: int, message: Message, carried: _Carried) -> None:
+        if isinstance(message, TunnelUp):
+            for slot, chunk in zip(message.slots, message.chunks, strict=True):
+                carried.stream(slot).feed(chunk)
+        elif isinstance(message, TunnelOpen):
+            stream = carried.open(message.slot)
+            self._tunnels.send_nowait((stream, partial(self._runs, node_rank)))
+        elif isinstance(message, TunnelClosed):
+            carried.stream(message.slot).feed_eof()
+        elif isinstance(message, RankExited):
+            if self.table.owner(message.rank) != node_rank:
+                raise AgentRefused(
+                    f"node {node_rank}'s agent reported the exit of rank {message.rank}, "
+                    f"which it does not run"
+                )
+            self.exits.append(message)
+            exit = RankExit(
+                message.rank,
+                message.pid,
+                message.returncode,
+                message.exited_unix,
+                message.restarting,
+            )
+            for notice in self._rank_exited(exit):
+                log.warning("%s", notice)
+        elif isinstance(message, AgentStop):
+            log.warning("node %d's agent asks the run to stop: %s", node_rank, message.reason)
+            self._request_stop()
+        else:
+            raise AgentRefused(
+                f"node {node_rank}'s agent sent {type(message).__name__} after joining"
+            )
+
+
+class _Carried:
+    """The rank connections one agent carries: its downlink and a stream per tunnel slot."""
+
+    def __init__(self, node_rank: int, downlink: Downlink) -> None:
+        self.node_rank = node_rank
+        self.downlink = downlink
+        self.streams: dict[int, TunnelStream] = {}
+
+    def open(self, slot: int) -> TunnelStream:
+        if slot in self.streams:
+            raise AgentRefused(f"node {self.node_rank}'s agent opened tunnel {slot} twice")
+        stream = self.streams[slot] = TunnelStream(slot, self.downlink)
+        return stream
+
+    def stream(self, slot: int) -> TunnelStream:
+        try:
+            return self.streams[slot]
+        except KeyError:
+            raise AgentRefused(
+                f"node {self.node_rank}'s agent sent on tunnel {slot}, which it never opened"
+            ) from None
 
 
 async def _refuse(channel: Channel, err: AgentRefused) -> None:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -54,7 +55,7 @@ from functools import partial
 import trio
 
 from flodl.config import CoordinatorConfig
-from flodl.coordinator.admission import serve_ranks
+from flodl.coordinator.admission import Tunneled, serve_ranks
 from flodl.coordinator.agents import AgentDesk
 from flodl.coordinator.links import CONNECTION_ERRORS, Links, RankLink
 from flodl.coordinator.probe import Probing, ShellProbe
@@ -442,12 +443,14 @@ async def open_coordinator(
         resume=resume,
     )
     coordinator = Coordinator(machine, config, listener.url, freeze_heap=freeze_heap, probe=probe)
+    tunnels_in, tunnels_out = trio.open_memory_channel[Tunneled](math.inf)
     coordinator.agents = AgentDesk(
         world_size,
         rank_exited=coordinator.rank_exited,
         request_stop=coordinator.request_stop,
         run_over=coordinator._finished,
         join_timeout=config.handshake_timeout,
+        tunnels=tunnels_in,
     )
     try:
         async with trio.open_nursery() as nursery:
@@ -465,6 +468,7 @@ async def open_coordinator(
                 handshake_timeout=config.handshake_timeout,
                 on_rank_error=coordinator.on_rank_error,
                 agent_handler=coordinator.agents.serve,
+                tunnels=tunnels_out,
             )
             await nursery.start(serving)
             yield coordinator

@@ -2,7 +2,10 @@
 
 Part of the one catalogue, :mod:`flodl.wire.messages` (which imports them): tags 128-159 travel
 from an agent to the coordinator, 160-191 back. A rank's channel accepts none of them, and an
-agent's channel nothing else.
+agent's channel nothing else. The node's ranks reach the coordinator through their agent: each
+rank's connection is a *tunnel* whose bytes (the rank's own handshake and authenticated frames,
+untouched) the agent carries in :class:`TunnelUp` and :class:`TunnelDown`, so a host holds one
+connection to the coordinator however many ranks it runs.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import ClassVar
 
 import attrs
 
-from flodl.wire.fields import boolean, f64, i64, text, u64
+from flodl.wire.fields import blob_list, boolean, f64, i64, text, u64, u64_list
 from flodl.wire.message_base import Message
 
 __all__ = [
@@ -23,6 +26,11 @@ __all__ = [
     "AssignRanks",
     "RankExited",
     "RunOver",
+    "TunnelClosed",
+    "TunnelDown",
+    "TunnelEnd",
+    "TunnelOpen",
+    "TunnelUp",
 ]
 
 
@@ -61,6 +69,34 @@ class AgentStop(Message):
 
 
 @attrs.frozen
+class TunnelOpen(Message):
+    """One of the node's ranks connected to the agent: its bytes travel as tunnel ``slot``
+    (an agent's own number for the connection, never reused while the agent lives)."""
+
+    TAG: ClassVar[int] = 131
+    slot: int = u64()
+
+
+@attrs.frozen
+class TunnelUp(Message):
+    """What the node's ranks sent, in order: ``chunks[i]`` from tunnel ``slots[i]``. Whatever
+    arrived together travels in one frame (a window's batch reports, heartbeats, a round's
+    acks of every rank of the host)."""
+
+    TAG: ClassVar[int] = 132
+    slots: tuple[int, ...] = u64_list()
+    chunks: tuple[bytes, ...] = blob_list()
+
+
+@attrs.frozen
+class TunnelClosed(Message):
+    """Tunnel ``slot``'s rank connection ended on the agent's side."""
+
+    TAG: ClassVar[int] = 133
+    slot: int = u64()
+
+
+@attrs.frozen
 class AssignRanks(Message):
     """The coordinator's answer to :class:`AgentJoin`: the node runs ranks ``first_rank`` to
     ``first_rank + nproc - 1`` of ``world_size``."""
@@ -79,8 +115,33 @@ class RunOver(Message):
     reason: str = text()
 
 
-FROM_AGENT: tuple[type[Message], ...] = (AgentJoin, RankExited, AgentStop)
+FROM_AGENT: tuple[type[Message], ...] = (
+    AgentJoin,
+    RankExited,
+    AgentStop,
+    TunnelOpen,
+    TunnelUp,
+    TunnelClosed,
+)
 """Messages a node agent sends to the coordinator."""
+
+
+@attrs.frozen
+class TunnelDown(Message):
+    """What the coordinator sends the node's ranks, in order: ``chunks[i]`` for tunnel
+    ``slots[i]`` (a broadcast to the host is one frame)."""
+
+    TAG: ClassVar[int] = 163
+    slots: tuple[int, ...] = u64_list()
+    chunks: tuple[bytes, ...] = blob_list()
+
+
+@attrs.frozen
+class TunnelEnd(Message):
+    """The coordinator ended tunnel ``slot``'s connection: the agent closes the rank's."""
+
+    TAG: ClassVar[int] = 164
+    slot: int = u64()
 
 
 @attrs.frozen
@@ -91,5 +152,5 @@ class AgentRefusal(Message):
     reason: str = text()
 
 
-TO_AGENT: tuple[type[Message], ...] = (AssignRanks, RunOver, AgentRefusal)
+TO_AGENT: tuple[type[Message], ...] = (AssignRanks, RunOver, AgentRefusal, TunnelDown, TunnelEnd)
 """Messages the coordinator sends to a node agent."""

@@ -189,6 +189,22 @@ def u64_list() -> Any:
     return attrs.field(factory=tuple, converter=convert, validator=check)
 
 
+def blob_list() -> Any:
+    """A list of byte strings, each of at most ``MAX_BLOB`` bytes, stored as a tuple."""
+
+    def convert(value: object) -> object:
+        return tuple(value) if type(value) is list else value
+
+    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if type(value) is not tuple or len(value) > MAX_ITEMS:
+            raise _fail(attribute, f"a list of at most {MAX_ITEMS} byte strings", value)
+        for item in value:
+            if type(item) is not bytes or len(item) > MAX_BLOB:
+                raise _fail(attribute, f"a list of byte strings of at most {MAX_BLOB} bytes", value)
+
+    return attrs.field(factory=tuple, converter=convert, validator=check)
+
+
 def _float_tuple(value: object) -> object:
     """A list or tuple as a tuple, its ints widened to floats; anything else as it is (the
     validator then says what is wrong with it)."""

@@ -9,13 +9,24 @@ from __future__ import annotations
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 import trio
 from trio.testing import MockClock
 
+from flodl.agent.config import AgentConfig
+from flodl.agent.link import AgentLink, open_agent_link
 from flodl.coordinator.server import Coordinator, open_coordinator
-from flodl.errors import AgentRefused, DuplicateRank, HandshakeVersionMismatch, WrongKey
+from flodl.core.coordinator.timeline import EventKind
+from flodl.errors import (
+    AgentRefused,
+    ChannelClosed,
+    DuplicateRank,
+    HandshakeError,
+    HandshakeVersionMismatch,
+    WrongKey,
+)
 from flodl.transports import connect
 from flodl.transports.channel import Channel
 from flodl.transports.greeting import connect_agent, connect_rank
@@ -25,8 +36,11 @@ from flodl.wire.messages import (
     AgentRefusal,
     AgentStop,
     AssignRanks,
+    CoordHeartbeat,
+    Heartbeat,
     RankExited,
     RunOver,
+    RunSettings,
 )
 
 KEY = bytes(range(32))
@@ -160,3 +174,78 @@ async def test_agents_with_a_wrong_key_or_version_are_refused_with_the_typed_err
         async with agent(coord, 0, 1) as first:
             assert await first.receive() == AssignRanks(0, 1, WORLD)
         await rank.aclose()
+
+
+# --- ranks through their agent's one connection ------------------------------------------------
+
+
+@asynccontextmanager
+async def carrying_agent(
+    coord: Coordinator, node: int, nproc: int, tmp_path: Path
+) -> AsyncIterator[AgentLink]:
+    """Node ``node``'s agent as ``flodl agent`` runs it: joined, its ranks' socket listening."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    config = AgentConfig(
+        coordinator=coord.url, node_rank=node, nproc=nproc, script=str(script), run_dir=tmp_path
+    )
+    link, _ = await open_agent_link(config, KEY)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(link.tunnels.serve)
+        nursery.start_soon(link.run)
+        yield link
+        nursery.cancel_scope.cancel()
+    await link.aclose()
+
+
+async def rank_through(link: AgentLink, rank: int, world: int = WORLD) -> Channel:
+    return await connect_rank(await connect(link.tunnels.url), KEY, rank, world)
+
+
+async def test_ranks_reach_the_coordinator_through_their_agents_one_connection(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    async with coordinator() as coord, carrying_agent(coord, 0, 2, tmp_path / "a") as first:
+        async with carrying_agent(coord, 1, 2, tmp_path / "b") as second:
+            ranks = [
+                await rank_through(first, 0),
+                await rank_through(first, 1),
+                await rank_through(second, 2),
+                await rank_through(second, 3),
+            ]
+            for channel in ranks:  # the coordinator's first word, through the tunnel
+                assert isinstance(await channel.receive(), RunSettings)
+            assert coord.connected_ranks == {0, 1, 2, 3}
+            await ranks[3].send(Heartbeat(3, 0))
+            assert isinstance(await ranks[3].receive(), CoordHeartbeat)
+            await ranks[1].aclose()  # its connection at the agent ends: the coordinator sees it
+            await trio.sleep(1)
+            assert coord.connected_ranks == {0, 2, 3}
+            dead = [e for e in coord.timeline if e.kind is EventKind.RANK_DEAD]
+            assert [e.detail["rank"] for e in dead] == [1]
+        # Node 1's agent is gone: so are the ranks it carried, at once.
+        await trio.sleep(1)
+        assert coord.connected_ranks == {0}
+        with pytest.raises(ChannelClosed):
+            while True:
+                await ranks[2].receive()
+        for channel in ranks:
+            await channel.aclose()
+
+
+async def test_a_rank_through_another_nodes_agent_is_refused(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    async with coordinator() as coord, carrying_agent(coord, 0, 2, tmp_path / "a") as first:
+        async with carrying_agent(coord, 1, 2, tmp_path / "b"):
+            stream = await connect(first.tunnels.url)
+            with pytest.raises(HandshakeError):  # rank 3 is node 1's: the hello goes unanswered
+                await connect_rank(stream, KEY, 3, WORLD)
+            await stream.aclose()
+            errors = [err for _, err in coord.rank_errors]
+            assert [type(err) for err in errors] == [AgentRefused]
+            assert "rank 3 came through the agent of another node" in str(errors[0])
+            honest = await rank_through(first, 0)  # the agent's own ranks still get in
+            assert isinstance(await honest.receive(), RunSettings)
+            await honest.aclose()

@@ -45,6 +45,8 @@ def field_strategy(cls: type[Message], field: attrs.Attribute[Any]) -> st.Search
         return st.sampled_from(list(hint))
     if hint == tuple[float, ...]:
         return st.lists(any_float, max_size=8).map(tuple)
+    if hint == tuple[bytes, ...]:
+        return st.lists(st.binary(max_size=60), max_size=6).map(tuple)
     if hint == tuple[int, ...]:
         return st.lists(st.integers(0, fields.U64_MAX), max_size=8).map(tuple)
     converter = getattr(field.converter, "converter", field.converter)
