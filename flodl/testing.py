@@ -143,7 +143,7 @@ class SimulatedGroup:
         await done.wait()
 
 
-class _Groups:
+class SimulatedGroups:
     """Generation -> SimulatedGroup, shared by the scripted ranks of one cluster."""
 
     def __init__(self) -> None:
@@ -163,7 +163,9 @@ class ScriptedRank:
     class only performs (training is a sleep, averaging a :class:`SimulatedGroup`, saving instant).
     """
 
-    def __init__(self, rank: int, world_size: int, script: RankScript, groups: _Groups) -> None:
+    def __init__(
+        self, rank: int, world_size: int, script: RankScript, groups: SimulatedGroups
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.script = script
@@ -419,7 +421,7 @@ async def open_cluster(
         url, world_size, key, config, seed=seed, linger=0.0, freeze_heap=freeze_heap
     )
     async with coordinating as coord:
-        groups = _Groups()
+        groups = SimulatedGroups()
         ranks = [ScriptedRank(r, world_size, s, groups) for r, s in enumerate(scripts)]
         cluster = Cluster(coord, ranks, coord.url, started_at)
         async with trio.open_nursery() as nursery:

@@ -78,6 +78,7 @@ TESTING_NAMES = [
     "RankScript",
     "ScriptedRank",
     "SimulatedGroup",
+    "SimulatedGroups",
     "TEST_KEY",
     "open_cluster",
 ]

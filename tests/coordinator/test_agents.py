@@ -194,9 +194,12 @@ async def carrying_agent(
     async with trio.open_nursery() as nursery:
         await nursery.start(link.tunnels.serve)
         nursery.start_soon(link.run)
-        yield link
-        nursery.cancel_scope.cancel()
-    await link.aclose()
+        try:
+            yield link
+        finally:
+            nursery.cancel_scope.cancel()
+            with trio.CancelScope(shield=True):
+                await link.aclose()
 
 
 async def rank_through(link: AgentLink, rank: int, world: int = WORLD) -> Channel:
