@@ -439,7 +439,6 @@ ENV_VARS = {
     "FLODL_HOST",
     "FLODL_JOIN_TIMEOUT",
     "FLODL_KEEP_CHECKPOINTS",
-    "FLODL_LIFELINE_FD",
     "FLODL_OP_TIMEOUT",
     "FLODL_POLICY",
     "FLODL_RESUME",
@@ -486,7 +485,6 @@ ENVIRONMENT_CONSTANTS = {
     "HOST": "FLODL_HOST",
     "JOIN_TIMEOUT": "FLODL_JOIN_TIMEOUT",
     "KEEP_CHECKPOINTS": "FLODL_KEEP_CHECKPOINTS",
-    "LIFELINE_FD": "FLODL_LIFELINE_FD",
     "LOCAL_RANK": "LOCAL_RANK",
     "LOCAL_WORLD_SIZE": "LOCAL_WORLD_SIZE",
     "MASTER_ADDR": "MASTER_ADDR",
@@ -664,7 +662,6 @@ def test_rank_env_writes_the_documented_variables() -> None:
         resume=Path("/b"),
         debug_param_hashes=True,
         keep_checkpoints=2,
-        lifeline_fd=3,
     ).variables()
     assert sorted(written) == sorted(set(ENVIRONMENT_CONSTANTS.values()) - {"FLODL_SESSION_KEY"})
 

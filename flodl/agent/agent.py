@@ -10,9 +10,9 @@ to the coordinator at once, a rank that fails is started again while the host's
 ``--restarts`` last (it rejoins the running group), and the first Ctrl-C, SIGTERM or SIGHUP
 asks the coordinator to end the run with a save (a second SIGINT or SIGTERM kills the ranks).
 Every process it started is gone when it returns, whatever happened. Should the agent die
-first (SIGKILL), its ranks notice at once (``FLODL_LIFELINE_FD``), save their bundles as ranks
-that lost their coordinator do, and exit; the coordinator sees them go and the ranks on other
-hosts re-form without them.
+first (SIGKILL), its ranks' connections, which run through it (:mod:`flodl.agent.tunnel`), end
+with it: each rank saves its bundle as a rank that lost its coordinator does, and exits; the
+coordinator sees them go and the ranks on other hosts re-form without them.
 """
 
 from __future__ import annotations
@@ -71,12 +71,10 @@ def agent_rank_environment(
     local_rank: int,
     key_file: Path,
     restart_count: int,
-    lifeline: int | None = None,
     coordinator: str | None = None,
 ) -> dict[str, str]:
     """The environment of this node's ``local_rank``: the agent's, plus torchrun's variables and
-    what a flodl rank reads (the key by file only; ``lifeline``: the read end of the pipe whose
-    end tells the rank that this agent died; ``coordinator``: where the rank connects, the
+    what a flodl rank reads (the key by file only; ``coordinator``: where the rank connects, the
     agent's own socket, default the coordinator's address)."""
     coordinator = coordinator or config.coordinator
     env = dict(os.environ)
@@ -110,7 +108,6 @@ def agent_rank_environment(
         join_timeout=config.join_timeout,
         master_addr=master_addr,
         master_port=config.master_port,
-        lifeline_fd=lifeline,
         resume=None if config.resume is None else config.resume.resolve(),
     )
     env.update(rank_env.variables())
@@ -144,9 +141,6 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
     )
     spawned: list[RankProcess] = []
     stops = StopSignals()
-    # The ranks hold the read end; the write end lives as long as this process, so when the
-    # agent dies (even by SIGKILL) every rank of the node sees the pipe end and saves.
-    lifeline, lifeline_end = os.pipe()
 
     async def start_rank(rank: int) -> trio.Process:
         earlier = [item.restarts for item in spawned if item.rank == rank]
@@ -156,13 +150,11 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
             rank - assignment.first_rank,
             key_file,
             earlier[0] if earlier else 0,
-            lifeline,
             link.tunnels.url,
         )
         return await trio.lowlevel.open_process(
             [config.python, config.script, *config.script_args],
             env=env,
-            pass_fds=(lifeline,),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -202,8 +194,6 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
             for item in spawned:
                 await item.process.wait()
             await link.aclose()
-            os.close(lifeline)
-            os.close(lifeline_end)
     lost = link.lost
     return AgentResult(
         assignment=assignment,

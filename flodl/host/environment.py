@@ -27,9 +27,6 @@
 ``FLODL_RESUME``             a checkpoint bundle to resume from (optional)
 ``FLODL_DEBUG_PARAM_HASHES`` ``1``: record a sha256 of the parameters after every average
 ``FLODL_KEEP_CHECKPOINTS``   bundles this rank keeps in its checkpoint folder (2)
-``FLODL_LIFELINE_FD``        set by ``flodl agent``: a pipe the agent holds open; when it
-                             closes (the agent died) the rank acts as if its coordinator was
-                             lost: it saves its bundle and exits
 ============================ =============================================================
 
 Reading strips white space and treats an empty variable as unset. Every malformed value
@@ -61,7 +58,6 @@ __all__ = [
     "HOST",
     "JOIN_TIMEOUT",
     "KEEP_CHECKPOINTS",
-    "LIFELINE_FD",
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
     "MASTER_ADDR",
@@ -99,7 +95,6 @@ JOIN_TIMEOUT = "FLODL_JOIN_TIMEOUT"
 OP_TIMEOUT = "FLODL_OP_TIMEOUT"
 RESUME = "FLODL_RESUME"
 DEBUG_PARAM_HASHES = "FLODL_DEBUG_PARAM_HASHES"
-LIFELINE_FD = "FLODL_LIFELINE_FD"
 KEEP_CHECKPOINTS = "FLODL_KEEP_CHECKPOINTS"
 
 _LAUNCHER_HINT = "start the script with `flodl run`, which sets it"
@@ -132,7 +127,6 @@ class RankEnv:
     resume: Path | None = None
     debug_param_hashes: bool = False
     keep_checkpoints: int | None = None
-    lifeline_fd: int | None = None
 
     def variables(self) -> dict[str, str]:
         """The variables to set for this rank: one per field that is set."""
@@ -157,7 +151,6 @@ class RankEnv:
             RESUME: self.resume,
             DEBUG_PARAM_HASHES: "1" if self.debug_param_hashes else None,
             KEEP_CHECKPOINTS: self.keep_checkpoints,
-            LIFELINE_FD: self.lifeline_fd,
         }
         return {name: str(value) for name, value in values.items() if value is not None}
 
@@ -187,7 +180,6 @@ class RankEnv:
             resume=_path(env, RESUME),
             debug_param_hashes=_flag(env, DEBUG_PARAM_HASHES),
             keep_checkpoints=_int(env, KEEP_CHECKPOINTS),
-            lifeline_fd=_int(env, LIFELINE_FD),
         )
 
 

@@ -48,9 +48,6 @@ class WorkerConfig:
     """None: ``max(30, 2 x heartbeat_timeout)`` (see :attr:`collective_timeout`)."""
     resume: Path | None = None
     debug_param_hashes: bool = False
-    lifeline_fd: int | None = None
-    """A pipe a node agent holds open (``FLODL_LIFELINE_FD``): its end means the agent died,
-    and the rank goes on as one that lost its coordinator."""
     average_dtype: str = "fp32"
     """What rounds reduce in (``fp32``, ``bf16``, ``fp16``; :mod:`flodl.backends.compressed`);
     always the coordinator's, from its RunSettings, when the config was read from an
@@ -137,7 +134,6 @@ class WorkerConfig:
             op_timeout=given.op_timeout,
             resume=given.resume,
             debug_param_hashes=given.debug_param_hashes,
-            lifeline_fd=given.lifeline_fd,
             given=frozenset(set_here),
             **set_here,
         )

@@ -6,7 +6,6 @@ nursery); what a message means is the rank machine's business, not theirs.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import trio
@@ -58,27 +57,10 @@ async def receive_until_lost(
     timeout: float,
     on_message: Callable[[Message], None],
     on_lost: Callable[[FlodlError], None],
-    *,
-    lifeline: int | None = None,
 ) -> None:
     """Hand every message to ``on_message`` until no frame arrives for ``timeout`` seconds or
     the connection ends; then ``on_lost`` says why, once, and this returns. An error raised by
-    ``on_message`` (a message the protocol does not allow) also counts as losing the link, and
-    so does the end of ``lifeline`` (a pipe the rank's node agent holds open: it ends when the
-    agent dies)."""
-    async with trio.open_nursery() as nursery:
-        if lifeline is not None:
-            nursery.start_soon(_watch_lifeline, lifeline, on_lost, nursery.cancel_scope)
-        await _receive(channel, timeout, on_message, on_lost)
-        nursery.cancel_scope.cancel()
-
-
-async def _receive(
-    channel: Channel,
-    timeout: float,
-    on_message: Callable[[Message], None],
-    on_lost: Callable[[FlodlError], None],
-) -> None:
+    ``on_message`` (a message the protocol does not allow) also counts as losing the link."""
     try:
         while True:
             with trio.move_on_after(timeout) as scope:
@@ -94,23 +76,6 @@ async def _receive(
             on_message(message)
     except FlodlError as err:  # the channel maps stream errors to ours
         on_lost(CoordinatorError(f"lost the connection to the coordinator: {err}"))
-
-
-async def _watch_lifeline(
-    fd: int, on_lost: Callable[[FlodlError], None], receiving: trio.CancelScope
-) -> None:
-    """Wait for the agent's end of the pipe to close (nothing is ever written to it); then
-    the coordinator counts as lost and the receiver stops."""
-    while True:
-        await trio.lowlevel.wait_readable(fd)
-        try:
-            if os.read(fd, 4096):
-                continue  # nothing is written to a lifeline; should anything come, read on
-        except OSError:
-            pass
-        on_lost(CoordinatorError("the node agent that started this rank is gone"))
-        receiving.cancel()
-        return
 
 
 async def beat(outbox: Outbox, interval: float, heartbeat: Callable[[], Message | None]) -> None:

@@ -21,9 +21,9 @@ shell performs the machine's steps: averaging (:mod:`flodl.worker.rounds`), savi
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -207,7 +207,7 @@ class Worker:
         """
         machine = self.machine
         if machine.current is not None:
-            await self.batch_done(float("nan"))
+            await self.batch_done(math.nan)
         machine.enter_boundary(trio.current_time())
         try:
             with trio.CancelScope() as scope:
@@ -377,8 +377,8 @@ class Worker:
         self._nursery = nursery
         channel, config = self._channel, self.config
         assert channel is not None
-        receive = partial(receive_until_lost, channel, lifeline=config.lifeline_fd)
-        nursery.start_soon(receive, config.heartbeat_timeout, self._on_message, self._lost)
+        timeout = config.heartbeat_timeout
+        nursery.start_soon(receive_until_lost, channel, timeout, self._on_message, self._lost)
         nursery.start_soon(beat, self._outbox, config.heartbeat_interval, self.machine.heartbeat)
         nursery.start_soon(self._membership.join_announced)
 
