@@ -64,6 +64,17 @@ class AgentResult:
         """The agent's exit status: 0 when the coordinator ended the run, else 1."""
         return 0 if self.coordinator_lost is None and not self.killed else 1
 
+    def closing_line(self, who: str) -> str:
+        """What ``who`` (``flodl agent``) says when it ends: how the run ended for this node,
+        each rank's exits in order, the restarts."""
+        exits = ", ".join(f"rank {rank}: {' '.join(codes)}" for rank, codes in self.exits.items())
+        how = (
+            "the run ended"
+            if self.coordinator_lost is None
+            else f"lost the coordinator ({self.coordinator_lost})"
+        )
+        return f"{who}: {how}; exits: {exits}; restarts: {self.restarts}"
+
 
 def agent_rank_environment(
     config: AgentConfig,

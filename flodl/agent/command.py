@@ -104,9 +104,5 @@ def run_agent_command(args: argparse.Namespace) -> int:
     )
     key = session_key_from_env()
     result = trio.run(run_agent, config, key)
-    exits = ", ".join(f"rank {rank}: {' '.join(codes)}" for rank, codes in result.exits.items())
-    if result.coordinator_lost is not None:
-        say(f"flodl agent: lost the coordinator ({result.coordinator_lost}); exits: {exits}")
-    else:
-        say(f"flodl agent: the run ended; exits: {exits}; restarts: {result.restarts}")
+    say(result.closing_line("flodl agent"))
     return result.status

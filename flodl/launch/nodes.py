@@ -152,8 +152,5 @@ def run_nodes_command(args: Any, config: CoordinatorConfig, views: ViewConfig) -
         result, summary = trio.run(first)
         print_root_cause(summary, sys.stdout)
         say(f"  summary: {agent.run_dir / 'summary.json'}")
-    exits = ", ".join(f"rank {rank}: {' '.join(codes)}" for rank, codes in result.exits.items())
-    if result.coordinator_lost is not None:
-        say(f"flodl run: node {args.node_rank} lost the coordinator ({result.coordinator_lost})")
-    say(f"flodl run: node {args.node_rank} done; exits: {exits}; restarts: {result.restarts}")
+    say(result.closing_line(f"flodl run: node {args.node_rank}"))
     return result.status

@@ -9,20 +9,19 @@ re-formation) and what its machine is handed from each rank are the same.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
 import trio
 from trio.testing import MockClock
 
-from flodl.agent.config import AgentConfig
-from flodl.agent.link import AgentLink, open_agent_link
-from flodl.coordinator.server import Coordinator, open_coordinator
+from flodl.agent.link import AgentLink
+from flodl.coordinator.server import open_coordinator
 from flodl.core.coordinator.machine import Status
 from flodl.testing import TEST_KEY, RankScript, ScriptedRank, SimulatedGroups
 from flodl.wire.messages import Message
+from tests.coordinator.agent_helpers import carrying_agent
 
 SCRIPTS = [
     RankScript(ms_per_batch=10),
@@ -31,29 +30,6 @@ SCRIPTS = [
     RankScript(ms_per_batch=10, die_after_batches=25),
 ]
 DATASET = 3000
-
-
-@asynccontextmanager
-async def agent(coord: Coordinator, node: int, folder: Path) -> AsyncIterator[AgentLink]:
-    folder.mkdir(parents=True)
-    (folder / "train.py").write_text("")
-    config = AgentConfig(
-        coordinator=coord.url,
-        node_rank=node,
-        nproc=2,
-        script=str(folder / "train.py"),
-        run_dir=folder,
-    )
-    link, _ = await open_agent_link(config, TEST_KEY)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(link.tunnels.serve)
-        nursery.start_soon(link.run)
-        try:
-            yield link
-        finally:
-            nursery.cancel_scope.cancel()
-            with trio.CancelScope(shield=True):
-                await link.aclose()
 
 
 async def run(tmp_path: Path, through_agents: bool) -> tuple[list[str], dict[int, list[object]]]:
@@ -73,7 +49,9 @@ async def run(tmp_path: Path, through_agents: bool) -> tuple[list[str], dict[int
         async with trio.open_nursery() as nursery:
             if through_agents:
                 links = [
-                    await nursery.start(_hold, agent(coord, node, tmp_path / f"node{node}"))
+                    await nursery.start(
+                        _hold, carrying_agent(coord, node, 2, tmp_path / f"node{node}", TEST_KEY)
+                    )
                     for node in (0, 1)
                 ]
                 urls = [links[rank // 2].tunnels.url for rank in range(4)]

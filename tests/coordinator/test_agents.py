@@ -15,8 +15,7 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from flodl.agent.config import AgentConfig
-from flodl.agent.link import AgentLink, open_agent_link
+from flodl.agent.link import AgentLink
 from flodl.coordinator.server import Coordinator, open_coordinator
 from flodl.core.coordinator.timeline import EventKind
 from flodl.errors import (
@@ -42,6 +41,7 @@ from flodl.wire.messages import (
     RunOver,
     RunSettings,
 )
+from tests.coordinator.agent_helpers import carrying_agent
 
 KEY = bytes(range(32))
 WORLD = 4
@@ -179,29 +179,6 @@ async def test_agents_with_a_wrong_key_or_version_are_refused_with_the_typed_err
 # --- ranks through their agent's one connection ------------------------------------------------
 
 
-@asynccontextmanager
-async def carrying_agent(
-    coord: Coordinator, node: int, nproc: int, tmp_path: Path
-) -> AsyncIterator[AgentLink]:
-    """Node ``node``'s agent as ``flodl agent`` runs it: joined, its ranks' socket listening."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    script = tmp_path / "train.py"
-    script.write_text("")
-    config = AgentConfig(
-        coordinator=coord.url, node_rank=node, nproc=nproc, script=str(script), run_dir=tmp_path
-    )
-    link, _ = await open_agent_link(config, KEY)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(link.tunnels.serve)
-        nursery.start_soon(link.run)
-        try:
-            yield link
-        finally:
-            nursery.cancel_scope.cancel()
-            with trio.CancelScope(shield=True):
-                await link.aclose()
-
-
 async def rank_through(link: AgentLink, rank: int, world: int = WORLD) -> Channel:
     return await connect_rank(await connect(link.tunnels.url), KEY, rank, world)
 
@@ -209,8 +186,8 @@ async def rank_through(link: AgentLink, rank: int, world: int = WORLD) -> Channe
 async def test_ranks_reach_the_coordinator_through_their_agents_one_connection(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
-    async with coordinator() as coord, carrying_agent(coord, 0, 2, tmp_path / "a") as first:
-        async with carrying_agent(coord, 1, 2, tmp_path / "b") as second:
+    async with coordinator() as coord, carrying_agent(coord, 0, 2, tmp_path / "a", KEY) as first:
+        async with carrying_agent(coord, 1, 2, tmp_path / "b", KEY) as second:
             ranks = [
                 await rank_through(first, 0),
                 await rank_through(first, 1),
@@ -240,8 +217,8 @@ async def test_ranks_reach_the_coordinator_through_their_agents_one_connection(
 async def test_a_rank_through_another_nodes_agent_is_refused(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
-    async with coordinator() as coord, carrying_agent(coord, 0, 2, tmp_path / "a") as first:
-        async with carrying_agent(coord, 1, 2, tmp_path / "b"):
+    async with coordinator() as coord, carrying_agent(coord, 0, 2, tmp_path / "a", KEY) as first:
+        async with carrying_agent(coord, 1, 2, tmp_path / "b", KEY):
             stream = await connect(first.tunnels.url)
             with pytest.raises(HandshakeError):  # rank 3 is node 1's: the hello goes unanswered
                 await connect_rank(stream, KEY, 3, WORLD)
