@@ -195,7 +195,7 @@ async def open_agent_link(config: AgentConfig, key: bytes) -> tuple[AgentLink, N
     return AgentLink(channel, config.node_rank, config.run_dir), assignment
 
 
-def _folded(items: list[Message | Chunk]) -> list[Message]:
+def _folded(items: Sequence[Message | Chunk]) -> list[Message]:
     """``items`` as messages, in order: each run of chunks one TunnelUp (or more, each within
     a frame's size)."""
     out: list[Message] = []

@@ -1,0 +1,98 @@
+"""The coordinator's end of a tunnel (:mod:`flodl.coordinator.tunnels`): a rank's byte stream
+over its agent's channel, and the downlink that writes to the agent."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from flodl.coordinator.tunnels import DOWNLINK_LIMIT, Downlink, TunnelStream
+from flodl.transports.channel import Channel
+from flodl.wire.fields import MAX_BLOB
+from flodl.wire.messages import FROM_AGENT_TAGS, TO_AGENT_TAGS, TunnelDown, TunnelEnd
+
+UP, DOWN = b"u" * 32, b"d" * 32
+
+
+def agent_pair() -> tuple[Channel, Channel]:
+    """(the coordinator's end, the agent's end) of an agent's channel, in memory."""
+    coordinator_end, agent_end = trio.testing.memory_stream_pair()
+    coordinator = Channel(
+        coordinator_end, send_key=DOWN, receive_key=UP, receive_tags=FROM_AGENT_TAGS
+    )
+    agent = Channel(agent_end, send_key=UP, receive_key=DOWN, receive_tags=TO_AGENT_TAGS)
+    return coordinator, agent
+
+
+async def test_a_tunnel_stream_reads_what_was_fed_in_order_then_its_end() -> None:
+    coordinator, _agent = agent_pair()
+    stream = TunnelStream(3, Downlink(coordinator))
+    stream.feed(b"hello ")
+    stream.feed(b"world")
+    assert await stream.receive_some(3) == b"hel"
+    assert await stream.receive_some() == b"lo world"
+    got: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+
+        async def read() -> None:
+            got.append(await stream.receive_some())
+
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []  # nothing fed: it waits
+        stream.feed(b"!")
+    assert got == [b"!"]
+    stream.feed_eof()
+    assert await stream.receive_some() == b""  # the rank's connection ended
+    with pytest.raises(trio.BrokenResourceError):
+        await stream.send_all(b"late")
+    await stream.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await stream.receive_some()
+
+
+async def test_what_the_coordinator_writes_goes_down_in_order_and_an_end_after_it() -> None:
+    coordinator, agent = agent_pair()
+    downlink = Downlink(coordinator)
+    streams = [TunnelStream(slot, downlink) for slot in (1, 2)]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(downlink.run)
+        await streams[0].send_all(b"a")
+        await streams[1].send_all(b"b")
+        await streams[0].send_all(b"c")
+        await streams[1].aclose()  # the coordinator ends slot 2: the agent hears it last
+        carried = []
+        while True:
+            message = await agent.receive()
+            if isinstance(message, TunnelEnd):
+                break
+            assert isinstance(message, TunnelDown)
+            carried += list(zip(message.slots, message.chunks, strict=True))
+        nursery.cancel_scope.cancel()
+    assert message == TunnelEnd(2)
+    assert carried == [(1, b"a"), (2, b"b"), (1, b"c")]
+
+
+async def test_a_large_write_is_cut_to_frames_and_an_agent_that_cannot_keep_up_breaks() -> None:
+    coordinator, agent = agent_pair()
+    downlink = Downlink(coordinator)
+    stream = TunnelStream(0, downlink)
+    big = bytes(range(256)) * (MAX_BLOB // 256 + 10)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(downlink.run)
+        await stream.send_all(big)
+        received = b""
+        while len(received) < len(big):
+            message = await agent.receive()
+            assert isinstance(message, TunnelDown)
+            assert sum(len(c) for c in message.chunks) <= MAX_BLOB
+            received += b"".join(message.chunks)
+        nursery.cancel_scope.cancel()
+    assert received == big
+    stalled = Downlink(coordinator)  # nobody writes: it fills up
+    with pytest.raises(trio.BrokenResourceError, match="cannot keep up"):
+        for _ in range(DOWNLINK_LIMIT // MAX_BLOB + 2):
+            stalled.push(0, b"x" * MAX_BLOB)
+    with pytest.raises(trio.BrokenResourceError, match="connection failed"):
+        await TunnelStream(1, stalled).send_all(b"y")
