@@ -205,7 +205,7 @@ class _Carried:
     def open(self, slot: int) -> TunnelStream:
         if slot in self.streams:
             raise AgentRefused(f"node {self.node_rank}'s agent opened tunnel {slot} twice")
-        stream = self.streams[slot] = TunnelStream(slot, self.downlink)
+        stream = self.streams[slot] = self.downlink.stream(slot)
         return stream
 
     def stream(self, slot: int) -> TunnelStream:

@@ -3,11 +3,12 @@ the agent's one connection.
 
 A node agent (:mod:`flodl.agent`) accepts its ranks' connections and carries their bytes
 (:class:`~flodl.wire.messages.TunnelUp`, :class:`~flodl.wire.messages.TunnelDown`). Here each
-of those connections becomes a :class:`TunnelStream`, a ``trio.abc.Stream`` that the admission
-serves like any socket: the rank's own handshake and authenticated frames pass through the
-agent untouched, so every rank is admitted, read, written and lost exactly as one connected
-directly, and the machine sees the same messages. What the coordinator sends the host's ranks
-is gathered by the agent's :class:`Downlink` and leaves as one frame per wake-up.
+of those connections becomes a :class:`~flodl.transports.tunnel_stream.TunnelStream`, a
+``trio.abc.Stream`` that the admission serves like any socket (one shared reader reads them
+all, :mod:`flodl.transports.tunnel_reader`): the rank's own handshake and authenticated frames
+pass through the agent untouched, so every rank is admitted, read, written and lost exactly as
+one connected directly, and the machine sees the same messages. What the coordinator sends the
+host's ranks is gathered by the agent's :class:`Downlink` and leaves as one frame per wake-up.
 
 Guarantees: bytes reach each side in order; a stream's end (the rank's connection closed at
 the agent, the agent gone, or the coordinator closing the stream) reaches the other side
@@ -22,6 +23,7 @@ from collections import deque
 import trio
 
 from flodl.transports.channel import Channel
+from flodl.transports.tunnel_stream import TunnelStream
 from flodl.wire.fields import MAX_BLOB
 from flodl.wire.messages import TunnelDown, TunnelEnd
 
@@ -44,6 +46,10 @@ class Downlink:
         self._wake = trio.Event()
         self.broken: BaseException | None = None
         """Why the downlink failed (its streams then fail too), or None."""
+
+    def stream(self, slot: int) -> TunnelStream:
+        """A new tunnel stream of this agent's, written through this downlink."""
+        return TunnelStream(slot, self.push, self.end)
 
     def push(self, slot: int, data: bytes) -> None:
         """Queue ``data`` for tunnel ``slot``; never waits. BrokenResourceError once broken."""
@@ -93,61 +99,3 @@ class Downlink:
             ended, self._ended = self._ended, []
             for slot in ended:
                 await self._channel.send(TunnelEnd(slot))
-
-
-class TunnelStream(trio.abc.Stream):
-    """One rank's connection through its agent, as the coordinator's admission sees it."""
-
-    def __init__(self, slot: int, downlink: Downlink) -> None:
-        self.slot = slot
-        self.downlink = downlink
-        self._buffer = bytearray()
-        self._arrived = trio.Event()
-        self._eof = False
-        self._closed = False
-
-    # --- what the agent's connection delivers --------------------------------------------------
-
-    def feed(self, data: bytes) -> None:
-        """Bytes the rank sent, in order."""
-        if not self._eof:
-            self._buffer += data
-            self._arrived.set()
-
-    def feed_eof(self) -> None:
-        """The rank's connection ended (at the agent, or the agent is gone)."""
-        self._eof = True
-        self._arrived.set()
-
-    # --- trio.abc.Stream -----------------------------------------------------------------------
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        while not self._buffer and not self._eof and not self._closed:
-            await self._arrived.wait()
-            self._arrived = trio.Event()
-        if self._closed:
-            raise trio.ClosedResourceError("the tunnel stream was closed")
-        await trio.lowlevel.checkpoint()
-        size = len(self._buffer) if max_bytes is None else max_bytes
-        data = bytes(self._buffer[:size])
-        del self._buffer[:size]
-        return data  # b"" once the rank's connection ended and everything was read
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError("the tunnel stream was closed")
-        if self._eof:
-            raise trio.BrokenResourceError("the rank's connection through its agent ended")
-        self.downlink.push(self.slot, bytes(data))
-        await trio.lowlevel.checkpoint()
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await trio.lowlevel.checkpoint()
-
-    async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._arrived.set()
-            if not self._eof:
-                self.downlink.end(self.slot)
-        await trio.lowlevel.checkpoint()

@@ -3,14 +3,28 @@ over its agent's channel, and the downlink that writes to the agent."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import trio
 import trio.testing
 
-from flodl.coordinator.tunnels import DOWNLINK_LIMIT, Downlink, TunnelStream
+from flodl.coordinator.tunnels import DOWNLINK_LIMIT, Downlink
 from flodl.transports.channel import Channel
+from flodl.transports.readers import reader_for
+from flodl.transports.tunnel_reader import TunnelReader
+from flodl.transports.tunnel_stream import TunnelStream
+from flodl.wire.codec import FrameEncoder
 from flodl.wire.fields import MAX_BLOB
-from flodl.wire.messages import FROM_AGENT_TAGS, TO_AGENT_TAGS, TunnelDown, TunnelEnd
+from flodl.wire.messages import (
+    FROM_AGENT_TAGS,
+    TO_AGENT_TAGS,
+    TO_COORDINATOR_TAGS,
+    Heartbeat,
+    Message,
+    TunnelDown,
+    TunnelEnd,
+)
 
 UP, DOWN = b"u" * 32, b"d" * 32
 
@@ -27,7 +41,7 @@ def agent_pair() -> tuple[Channel, Channel]:
 
 async def test_a_tunnel_stream_reads_what_was_fed_in_order_then_its_end() -> None:
     coordinator, _agent = agent_pair()
-    stream = TunnelStream(3, Downlink(coordinator))
+    stream = Downlink(coordinator).stream(3)
     stream.feed(b"hello ")
     stream.feed(b"world")
     assert await stream.receive_some(3) == b"hel"
@@ -55,7 +69,7 @@ async def test_a_tunnel_stream_reads_what_was_fed_in_order_then_its_end() -> Non
 async def test_what_the_coordinator_writes_goes_down_in_order_and_an_end_after_it() -> None:
     coordinator, agent = agent_pair()
     downlink = Downlink(coordinator)
-    streams = [TunnelStream(slot, downlink) for slot in (1, 2)]
+    streams = [downlink.stream(slot) for slot in (1, 2)]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(downlink.run)
         await streams[0].send_all(b"a")
@@ -77,7 +91,7 @@ async def test_what_the_coordinator_writes_goes_down_in_order_and_an_end_after_i
 async def test_a_large_write_is_cut_to_frames_and_an_agent_that_cannot_keep_up_breaks() -> None:
     coordinator, agent = agent_pair()
     downlink = Downlink(coordinator)
-    stream = TunnelStream(0, downlink)
+    stream = downlink.stream(0)
     big = bytes(range(256)) * (MAX_BLOB // 256 + 10)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(downlink.run)
@@ -95,4 +109,39 @@ async def test_a_large_write_is_cut_to_frames_and_an_agent_that_cannot_keep_up_b
         for _ in range(DOWNLINK_LIMIT // MAX_BLOB + 2):
             stalled.push(0, b"x" * MAX_BLOB)
     with pytest.raises(trio.BrokenResourceError, match="connection failed"):
-        await TunnelStream(1, stalled).send_all(b"y")
+        await stalled.stream(1).send_all(b"y")
+
+
+async def test_tunnelled_channels_are_read_by_one_shared_reader() -> None:
+    """Ranks through agents cost the coordinator no reader task each: one TunnelReader reads
+    every tunnel whose bytes arrived, in one pass."""
+    coordinator, _agent = agent_pair()
+    downlink = Downlink(coordinator)
+    channels = [
+        Channel(
+            downlink.stream(slot), send_key=DOWN, receive_key=UP, receive_tags=TO_COORDINATOR_TAGS
+        )
+        for slot in range(3)
+    ]
+    assert reader_for(channels[0]) is TunnelReader
+    reader = TunnelReader()
+    seen: list[tuple[int, list[Message]]] = []
+
+    def record(index: int, batch: list[Message], _now: float) -> None:
+        seen.append((index, batch))
+
+    def ignore(_error: Exception | None) -> None:
+        pass
+
+    for index, channel in enumerate(channels):
+        reader.add(channel, partial(record, index), ignore)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reader.run)
+        await trio.testing.wait_all_tasks_blocked()
+        for index in (2, 0):  # one agent frame carrying two ranks' bytes
+            stream = channels[index].stream
+            assert isinstance(stream, TunnelStream)
+            stream.feed(FrameEncoder(UP).encode(Heartbeat(index, 7)))  # each its own session
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert seen == [(2, [Heartbeat(2, 7)]), (0, [Heartbeat(0, 7)])]
