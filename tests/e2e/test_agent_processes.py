@@ -124,7 +124,7 @@ def test_a_rank_killed_on_one_host_is_restarted_by_its_agent_and_rejoins(tmp_pat
     job = Job(tmp_path)
     try:
         job.start(coordinator(job.url, 3, tmp_path / "coordinator"))
-        script = [str(DIGITS), "--epochs", "6"]
+        script = [str(DIGITS), "--epochs", "100"]
         job.start([*agent(job.url, 0, 2, tmp_path / "host0"), *script])
         host1 = job.start([*agent(job.url, 1, 1, tmp_path / "host1", "--restarts", "1"), *script])
         job.read_until(host1, "rank 2: epoch 1 started")
@@ -133,7 +133,7 @@ def test_a_rank_killed_on_one_host_is_restarted_by_its_agent_and_rejoins(tmp_pat
         coord, host0, host1_out = job.finish()
     finally:
         job.kill_all()
-    assert "rank 2: SIGKILL SIGKILL" not in host1_out
+    assert "rank 2: SIGKILL SIGKILL" not in host1_out, host1_out + coord
     assert re.search(r"exits: rank 2: SIGKILL 0; restarts: 1", host1_out), host1_out
     assert "flodl: run completed" in coord
     assert len(accuracies(host0, host1_out)) == 3

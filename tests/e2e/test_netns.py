@@ -161,7 +161,7 @@ def test_one_agent_per_host_restarts_a_far_rank_and_a_far_agent_takes_its_ranks(
     env = dict(os.environ, FLODL_SESSION_KEY=secrets.token_hex(32), PYTHONUNBUFFERED="1")
     flodl = [sys.executable, "-m", "flodl.cli"]
     url = f"tcp://{NEAR}:29400"
-    script = [str(DIGITS), "--epochs", "8"]
+    script = [str(DIGITS), "--epochs", "100"]
     procs: list[subprocess.Popen[str]] = []
     try:
         for node, ns in ((0, near), (1, far)):
