@@ -2,5 +2,7 @@
 for that host's ranks, as torchrun's agent does.
 
 :mod:`flodl.agent.config` is what it was asked to do, :mod:`flodl.agent.link` its connection to
-the coordinator (and the exits it reports there), :mod:`flodl.agent.agent` the process itself.
+the coordinator (and the exits it reports there), :mod:`flodl.agent.tunnel` the ranks'
+connections it carries over that one connection, :mod:`flodl.agent.agent` the process itself
+and :mod:`flodl.agent.command` its flags.
 """
