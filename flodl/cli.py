@@ -16,6 +16,7 @@ from flodl.config import (
     CoordinatorConfig,
     Policy,
     check_at_least,
+    check_url,
     coordinator_config_from,
     flagged_settings,
 )
@@ -23,7 +24,7 @@ from flodl.errors import ConfigError, FlodlError
 from flodl.host.environment import session_key_from_env
 from flodl.host.layout import nproc_of, ranks_of
 from flodl.observe.view_config import add_view_flags, view_config_from
-from flodl.worker.command import check_url, run_worker_command
+from flodl.worker.command import run_worker_command
 
 
 def _add_coordinator_options(parser: argparse.ArgumentParser) -> None:

@@ -32,8 +32,9 @@ from flodl.core.coordinator.settings import (
     MachineSettings,
     Timeouts,
 )
-from flodl.errors import ConfigError
+from flodl.errors import ConfigError, FlodlError
 from flodl.host.environment import session_key_from_env
+from flodl.transports.url import parse_url
 from flodl.wire.handshake import check_session_key
 
 __all__ = [
@@ -125,6 +126,27 @@ def check_average_dtype(flag: str, value: str) -> str:
         names = ", ".join(AVERAGE_DTYPE_NAMES)
         raise ConfigError(f"{flag} must be one of {names}, got {value!r}")
     return value
+
+
+def check_url(flag: str, url: str) -> None:
+    """ConfigError naming ``flag`` unless ``url`` is an address flodl can listen on or reach."""
+    try:
+        parse_url(url)
+    except FlodlError as err:
+        raise ConfigError(f"{flag}: {err}") from None
+
+
+def check_port(flag: str, value: int) -> int:
+    """``value`` if it is a TCP port (1..65535); ConfigError naming ``flag``."""
+    if not 1 <= value <= 65535:
+        raise ConfigError(f"{flag} must be 1..65535, got {value}")
+    return value
+
+
+def check_host(flag: str, value: str | None) -> None:
+    """ConfigError naming ``flag`` for an address given but empty (None: not given)."""
+    if value is not None and not value.strip():
+        raise ConfigError(f"{flag} must not be empty")
 
 
 def check_script(script: str | Path) -> Path:

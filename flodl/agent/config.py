@@ -7,9 +7,14 @@ from pathlib import Path
 
 import attrs
 
-from flodl.config import check_at_least, check_script, check_seconds
-from flodl.errors import ConfigError, FlodlError
-from flodl.transports import parse_url
+from flodl.config import (
+    check_at_least,
+    check_host,
+    check_port,
+    check_script,
+    check_seconds,
+    check_url,
+)
 
 __all__ = ["AgentConfig"]
 
@@ -45,16 +50,11 @@ class AgentConfig:
     show_ranks: frozenset[int] | None = None
 
     def __attrs_post_init__(self) -> None:
-        try:
-            parse_url(self.coordinator)
-        except FlodlError as err:
-            raise ConfigError(f"--coordinator: {err}") from None
+        check_url("--coordinator", self.coordinator)
         check_at_least("--node-rank", self.node_rank, 0)
         check_at_least("--nproc", self.nproc, 1)
         check_at_least("--restarts", self.restarts, 0)
         check_seconds("--join-timeout", self.join_timeout)
-        if not 1 <= self.master_port <= 65535:
-            raise ConfigError(f"--master-port must be 1..65535, got {self.master_port}")
-        if self.host is not None and not self.host.strip():
-            raise ConfigError("--host must not be empty")
+        check_port("--master-port", self.master_port)
+        check_host("--host", self.host)
         check_script(self.script)

@@ -12,21 +12,21 @@ import os
 import sys
 
 from flodl.backends import check_backend_on_host
-from flodl.config import Policy, check_at_least, check_script, check_seconds
-from flodl.errors import ConfigError, FlodlError
+from flodl.config import (
+    Policy,
+    check_at_least,
+    check_host,
+    check_port,
+    check_script,
+    check_seconds,
+    check_url,
+)
+from flodl.errors import ConfigError
 from flodl.host.environment import RankEnv, session_key_from_env
 from flodl.host.layout import layout_from
-from flodl.transports import parse_url
 from flodl.transports.reach import host_of
 
-__all__ = ["check_url", "run_worker_command"]
-
-
-def check_url(flag: str, url: str) -> None:
-    try:
-        parse_url(url)
-    except FlodlError as err:
-        raise ConfigError(f"{flag}: {err}") from None
+__all__ = ["run_worker_command"]
 
 
 def run_worker_command(args: argparse.Namespace) -> int:
@@ -57,10 +57,8 @@ def run_worker_command(args: argparse.Namespace) -> int:
     if args.heartbeat_timeout is not None:
         check_seconds("--heartbeat-timeout", args.heartbeat_timeout)
     check_seconds("--join-timeout", args.join_timeout)
-    if not 1 <= args.master_port <= 65535:
-        raise ConfigError(f"--master-port must be 1..65535, got {args.master_port}")
-    if args.host is not None and not args.host.strip():
-        raise ConfigError("--host must not be empty")
+    check_port("--master-port", args.master_port)
+    check_host("--host", args.host)
     check_script(args.script)
     if args.backend is not None:
         check_backend_on_host(args.backend, layout.local_world_size)
