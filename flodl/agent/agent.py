@@ -18,7 +18,6 @@ coordinator sees them go and the ranks on other hosts re-form without them.
 from __future__ import annotations
 
 import functools
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from flodl.agent.config import AgentConfig
 from flodl.agent.link import NodeAssignment, open_agent_link
 from flodl.coordinator.signals import StopSignals, watch_signals
 from flodl.host.console import say
-from flodl.host.environment import SESSION_KEY, RankEnv, write_session_key
+from flodl.host.environment import RankEnv, rank_process_environment, write_session_key
 from flodl.host.torchrun_env import TorchrunLayout
 from flodl.supervise.exits import exit_text
 from flodl.supervise.ranks import (
@@ -88,8 +87,6 @@ def agent_rank_environment(
     what a flodl rank reads (the key by file only; ``coordinator``: where the rank connects, the
     agent's own socket, default the coordinator's address)."""
     coordinator = coordinator or config.coordinator
-    env = dict(os.environ)
-    env.pop(SESSION_KEY, None)
     rank = assignment.first_rank + local_rank
     master_addr = config.master_addr or host_of(config.coordinator)
     layout = TorchrunLayout(
@@ -104,9 +101,6 @@ def agent_rank_environment(
         max_restarts=config.restarts,
         run_id=config.run_dir.name,
     )
-    env.update(layout.variables(env))
-    del env["GROUP_WORLD_SIZE"]  # the number of nodes is not known to an agent
-    env["NODE_RANK"] = str(config.node_rank)
     rank_env = RankEnv(
         coordinator=coordinator,
         rank=rank,
@@ -121,8 +115,9 @@ def agent_rank_environment(
         master_port=config.master_port,
         resume=None if config.resume is None else config.resume.resolve(),
     )
-    env.update(rank_env.variables())
-    env["PYTHONUNBUFFERED"] = "1"
+    env = rank_process_environment(layout, rank_env)
+    del env["GROUP_WORLD_SIZE"]  # the number of nodes is not known to an agent
+    env["NODE_RANK"] = str(config.node_rank)
     return env
 
 

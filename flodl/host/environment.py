@@ -41,6 +41,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -48,6 +49,9 @@ from flodl.backends import BACKEND_NAMES
 from flodl.core.common.policy import Policy
 from flodl.errors import ConfigError
 from flodl.wire.handshake import check_session_key
+
+if TYPE_CHECKING:
+    from flodl.host.torchrun_env import TorchrunLayout
 
 __all__ = [
     "BACKEND",
@@ -279,3 +283,16 @@ def write_session_key(run_dir: Path, key: bytes) -> Path:
         handle.write(key.hex())
     os.chmod(path, 0o600)
     return path
+
+
+def rank_process_environment(layout: TorchrunLayout, rank_env: RankEnv) -> dict[str, str]:
+    """The environment a supervisor starts a rank's process with: its own, less any session key
+    it holds (a rank reads its key from ``rank_env``'s file: an inherited one would be the
+    wrong one), plus torchrun's variables for ``layout``, what the rank reads (``rank_env``)
+    and unbuffered output (relayed as it is written)."""
+    env = dict(os.environ)
+    env.pop(SESSION_KEY, None)
+    env.update(layout.variables(env))
+    env.update(rank_env.variables())
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

@@ -30,7 +30,7 @@ from flodl.checkpoint.resume import ResumePlan, plan_resume, save_coordinator_me
 from flodl.coordinator.server import open_coordinator
 from flodl.coordinator.signals import StopSignals, watch_signals
 from flodl.host.console import say
-from flodl.host.environment import SESSION_KEY, RankEnv, write_session_key
+from flodl.host.environment import RankEnv, rank_process_environment, write_session_key
 from flodl.host.rundir import claim_run_dir, set_aside
 from flodl.host.torchrun_env import OMP_NOTE, TorchrunLayout, free_port
 from flodl.launch.config import LaunchConfig
@@ -61,8 +61,6 @@ def rank_environment(
     by file only: a key inherited in the environment would be the wrong one) and torchrun's
     variables (:mod:`flodl.host.torchrun_env`; ``MASTER_PORT`` is ``master_port``, free for the
     script's own rendezvous)."""
-    env = dict(os.environ)
-    env.pop(SESSION_KEY, None)
     layout = TorchrunLayout(
         rank=rank,
         world_size=config.nproc,
@@ -73,7 +71,6 @@ def rank_environment(
         max_restarts=config.restarts,
         run_id=config.run_dir.name,
     )
-    env.update(layout.variables(env))
     coordinator = config.coordinator
     rank_env = RankEnv(
         coordinator=url,
@@ -92,9 +89,7 @@ def rank_environment(
         resume=None if resume is None else resume.resolve(),
         keep_checkpoints=config.keep_checkpoints,
     )
-    env.update(rank_env.variables())
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return rank_process_environment(layout, rank_env)
 
 
 async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str, Any]:
