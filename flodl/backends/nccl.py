@@ -163,11 +163,11 @@ class NcclBackend(TorchDistBackend):
 
     name = "nccl"
     scratch_keep = 1
+    """One scratch buffer per GPU: device memory is what a model's size is bounded by, and a
+    round takes the buffer the previous one gave back."""
     settle_before_next = True
     """An old communicator is aborted before the new one runs a collective: NCCL does not
     promise that an abort beside another communicator's kernels on the device returns."""
-    """One scratch buffer per GPU: device memory is what a model's size is bounded by, and a
-    round takes the buffer the previous one gave back."""
 
     def __init__(
         self,

@@ -27,11 +27,12 @@ import trio
 
 from flodl.coordinator.admission import Tunneled
 from flodl.coordinator.links import CONNECTION_ERRORS
-from flodl.coordinator.tunnels import Downlink, TunnelStream
+from flodl.coordinator.tunnels import Downlink
 from flodl.core.coordinator.hosts import HostTable
 from flodl.errors import AgentRefused, ChannelClosed, HandshakeTimeout
 from flodl.supervise.exits import RankExit
 from flodl.transports.channel import Channel
+from flodl.transports.tunnel_stream import TunnelStream
 from flodl.wire.messages import (
     AgentJoin,
     AgentRefusal,

@@ -27,7 +27,7 @@ from flodl.transports.tunnel_stream import TunnelStream
 from flodl.wire.fields import MAX_BLOB
 from flodl.wire.messages import TunnelDown, TunnelEnd
 
-__all__ = ["DOWNLINK_LIMIT", "Downlink", "TunnelStream"]
+__all__ = ["DOWNLINK_LIMIT", "Downlink"]
 
 DOWNLINK_LIMIT = 64 << 20
 """Bytes queued for one agent before it is judged unable to keep up."""

@@ -11,7 +11,6 @@ commands instead (``--nproc`` is per host there).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from functools import partial
@@ -31,7 +30,7 @@ from flodl.host.console import say
 from flodl.host.environment import session_key_from_env
 from flodl.host.layout import ranks_of
 from flodl.host.rundir import fresh_run_dir
-from flodl.launch.failure_report import coordinator_summary, print_root_cause
+from flodl.launch.failure_report import coordinator_summary, print_root_cause, write_summary
 from flodl.observe.hub import open_observer
 from flodl.observe.view_config import ViewConfig
 from flodl.observe.views import run_views
@@ -105,7 +104,7 @@ async def run_first_node(
                 )
             )
             summary["wall_s"] = time.time() - clocks[0]
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_summary(run_dir / "summary.json", summary)
     return result, summary
 
 

@@ -173,36 +173,36 @@ def int_enum(kind: type[E]) -> Any:
     return attrs.field(converter=convert, validator=check)
 
 
-def u64_list() -> Any:
-    """A list of u64 values of bounded length, stored as a tuple."""
+def _tuple_of(item_ok: Callable[[object], bool], noun: str, each: str) -> Any:
+    """A list of at most ``MAX_ITEMS`` items each passing ``item_ok``, stored as a tuple;
+    refused as "a list of at most N ``noun``" or "a list of ``noun`` ``each``"."""
 
     def convert(value: object) -> object:
         return tuple(value) if type(value) is list else value
 
     def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if type(value) is not tuple or len(value) > MAX_ITEMS:
-            raise _fail(attribute, f"a list of at most {MAX_ITEMS} integers", value)
-        for item in value:
-            if type(item) is not int or not 0 <= item <= U64_MAX:
-                raise _fail(attribute, "a list of integers in [0, 2**64)", value)
+            raise _fail(attribute, f"a list of at most {MAX_ITEMS} {noun}", value)
+        if not all(item_ok(item) for item in value):
+            raise _fail(attribute, f"a list of {noun} {each}", value)
 
     return attrs.field(factory=tuple, converter=convert, validator=check)
+
+
+def u64_list() -> Any:
+    """A list of u64 values of bounded length, stored as a tuple."""
+    return _tuple_of(
+        lambda item: type(item) is int and 0 <= item <= U64_MAX, "integers", "in [0, 2**64)"
+    )
 
 
 def blob_list() -> Any:
     """A list of byte strings, each of at most ``MAX_BLOB`` bytes, stored as a tuple."""
-
-    def convert(value: object) -> object:
-        return tuple(value) if type(value) is list else value
-
-    def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if type(value) is not tuple or len(value) > MAX_ITEMS:
-            raise _fail(attribute, f"a list of at most {MAX_ITEMS} byte strings", value)
-        for item in value:
-            if type(item) is not bytes or len(item) > MAX_BLOB:
-                raise _fail(attribute, f"a list of byte strings of at most {MAX_BLOB} bytes", value)
-
-    return attrs.field(factory=tuple, converter=convert, validator=check)
+    return _tuple_of(
+        lambda item: type(item) is bytes and len(item) <= MAX_BLOB,
+        "byte strings",
+        f"of at most {MAX_BLOB} bytes",
+    )
 
 
 def _float_tuple(value: object) -> object:
