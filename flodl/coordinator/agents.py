@@ -1,4 +1,5 @@
-"""The coordinator's side of node agents: number their ranks, hear their ranks' exits.
+"""The coordinator's side of node agents: number their ranks, carry their ranks' connections,
+hear their ranks' exits.
 
 A node agent (:mod:`flodl.agent`) connects with its own hello flag and first says
 :class:`~flodl.wire.messages.AgentJoin` (its node rank and how many ranks its host runs). The
@@ -7,8 +8,11 @@ them with :class:`~flodl.wire.messages.AssignRanks` once every node before it ha
 and the coordinator start in any order). From then on the agent reports each exit of its
 ranks' processes (:class:`~flodl.wire.messages.RankExited`), which reaches the run's death
 detection at once, as a local supervisor's does, and asks for a save-and-stop when it is
-signalled (:class:`~flodl.wire.messages.AgentStop`). When the run ends every agent hears
-:class:`~flodl.wire.messages.RunOver` and restarts no rank after it.
+signalled (:class:`~flodl.wire.messages.AgentStop`). Each of its ranks' connections arrives as
+a tunnel (:class:`~flodl.wire.messages.TunnelOpen`), handed to the admission as that rank's
+stream (:mod:`flodl.coordinator.tunnels`); when the agent's connection ends, so do they. When
+the run ends every agent hears :class:`~flodl.wire.messages.RunOver` and restarts no rank after
+it.
 
 An agent that claims what is not its own (a rank of another node, a second join, a node that
 joined before with another rank count) is refused: it is told why
