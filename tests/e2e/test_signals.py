@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from flodl.checkpoint import load_bundle
 from tests.worker.procs import DIGITS, live_in_groups
 
 pytestmark = pytest.mark.slow
@@ -150,6 +152,11 @@ def assert_saved_by_every_rank(launcher: Launcher, nproc: int, signal_name: str)
     ranks = ", ".join(map(str, range(nproc)))
     assert after_save[-1]["kind"] == "Shutdown"
     assert after_save[-1]["why"].endswith(f"ranks {ranks} saved"), after_save[-1]
+    # Every rank was alive: a last round averaged the window in progress, so every bundle holds
+    # the same model, bit for bit.
+    states = [load_bundle(rank["bundle"]).model_state for rank in summary["ranks"]]
+    assert all(state.keys() == states[0].keys() for state in states)
+    assert all(torch.equal(state[k], states[0][k]) for state in states for k in state)
     launcher.assert_no_process_left()
 
 
