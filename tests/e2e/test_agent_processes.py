@@ -123,25 +123,29 @@ def test_agents_started_before_the_coordinator_run_hosts_of_unequal_size(tmp_pat
 def test_a_rank_killed_on_one_host_is_restarted_by_its_agent_and_rejoins(tmp_path: Path) -> None:
     job = Job(tmp_path)
     try:
-        job.start(coordinator(job.url, 3, tmp_path / "coordinator"))
-        script = [str(DIGITS), "--epochs", "100"]
+        coordinator_process = job.start(coordinator(job.url, 3, tmp_path / "coordinator"))
+        # Endless epochs: the run lasts until the rejoin was seen, however slow the machine.
+        script = [str(DIGITS), "--epochs", "100000"]
         job.start([*agent(job.url, 0, 2, tmp_path / "host0"), *script])
         host1 = job.start([*agent(job.url, 1, 1, tmp_path / "host1", "--restarts", "1"), *script])
         job.read_until(host1, "rank 2: epoch 1 started")
         (victim,) = children_of(host1.pid)
         os.kill(victim, signal.SIGKILL)
-        coord, host0, host1_out = job.finish()
+        job.read_until(coordinator_process, "rank 2 rejoined")
+        coordinator_process.send_signal(signal.SIGTERM)  # every rank saves and stops
+        coord, _, host1_out = job.finish()
     finally:
         job.kill_all()
     assert "rank 2: SIGKILL SIGKILL" not in host1_out, host1_out + coord
     assert re.search(r"exits: rank 2: SIGKILL 0; restarts: 1", host1_out), host1_out
-    assert "flodl: run completed" in coord
-    assert len(accuracies(host0, host1_out)) == 3
+    assert coordinator_process.returncode == 0, coord
     records = read_events(tmp_path / "coordinator" / "events.jsonl")
-    joins = [r for r in records if r["kind"] == "RankJoined" and r.get("rank") == 2]
     deaths = [r for r in records if r["kind"] == "RankDead" and r.get("rank") == 2]
     assert len(deaths) == 1, deaths
-    assert len(joins) >= 2, [r["kind"] for r in records]  # it joined, died, and joined again
+    # Each rank saved its bundle on the stop, the restarted one included.
+    for host, rank in (("host0", 0), ("host0", 1), ("host1", 2)):
+        saved = list((tmp_path / host / "checkpoints" / f"rank{rank}").glob("*.model.safetensors"))
+        assert saved, (host, rank)
 
 
 def test_a_killed_agent_takes_its_ranks_and_the_other_host_trains_on(tmp_path: Path) -> None:
