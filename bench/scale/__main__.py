@@ -21,6 +21,17 @@ from .report import RESULTS, mode_section, previous_modes, print_table, report
 
 DEFAULT_COUNTS = (64, 128, 256, 512, 1024, 1536, 2048, 4096)
 QUICK_COUNTS = (16, 64)
+AGENT_COUNTS = (4096, 16384)
+"""The agents layout's rank counts: 512 and 2,048 hosts of 8."""
+QUICK_AGENT_COUNTS = (16, 64)
+MODES = {
+    "both": ("split", "inprocess"),
+    "split": ("split",),
+    "inprocess": ("inprocess",),
+    "agents": ("agents",),
+    "split+agents": ("split", "agents"),
+    "all": ("split", "agents", "inprocess"),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,12 +43,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--mode",
-        choices=("both", "split", "inprocess"),
+        choices=tuple(MODES),
         default="both",
         help="split: coordinator alone in this process, ranks in generator processes; "
-        "inprocess: both in one trio run over memory:// (default: both, split first)",
+        "agents: as split, the ranks reaching it through simulated node agents (one "
+        "connection per host); inprocess: both in one trio run over memory://; both: split "
+        "and inprocess (the default); all: the three",
     )
     parser.add_argument("--ranks", type=int, nargs="+", help="rank counts to sweep")
+    parser.add_argument(
+        "--agent-ranks",
+        type=int,
+        nargs="+",
+        help=f"rank counts of the agents layout (default: {AGENT_COUNTS})",
+    )
+    parser.add_argument("--per-host", type=int, default=8, help="agents layout: ranks per host")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per count")
     parser.add_argument("--quick", action="store_true", help=f"counts {QUICK_COUNTS}, 2 s each")
     parser.add_argument("--seed", type=int, default=0, help="phases of the simulated ranks")
@@ -53,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--profile",
         type=int,
         metavar="RANKS",
-        help="cProfile one count instead (split mode unless --mode inprocess)",
+        help="cProfile one count instead (split mode unless --mode inprocess or agents)",
     )
     parser.add_argument("--top", type=int, default=30, help="functions to print with --profile")
     args = parser.parse_args(argv)
@@ -65,12 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lambda: trio.run(measure, args.profile, seconds, args.seed, CpuSplit()), args.top
             )
         else:
-            split_args = (args.seed, args.transport, args.generators, plan)
+            per_host = args.per_host if args.mode == "agents" else 0
+            split_args = (args.seed, args.transport, args.generators, plan, per_host)
             profile(lambda: run_split(args.profile, seconds, *split_args), args.top)
         return 0
     counts = args.ranks or (QUICK_COUNTS if args.quick else DEFAULT_COUNTS)
     modes = previous_modes(args.output)
-    if args.mode in ("both", "split"):
+    chosen = MODES[args.mode]
+    if "split" in chosen:
         rows: list[dict[str, Any]] = []
         for ranks in counts:
             rows.append(run_split(ranks, seconds, args.seed, args.transport, args.generators, plan))
@@ -84,7 +106,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             generators=args.generators,
             pinning=plan.describe(),
         )
-    if args.mode in ("both", "inprocess"):
+    if "agents" in chosen:
+        rows = []
+        quick_counts = QUICK_AGENT_COUNTS if args.quick else AGENT_COUNTS
+        for ranks in args.agent_ranks or quick_counts:
+            row = run_split(
+                ranks, seconds, args.seed, args.transport, args.generators, plan, args.per_host
+            )
+            rows.append(row)
+            print_table("agents", rows[-1:], header=len(rows) == 1)
+        modes["agents"] = mode_section(
+            "agents",
+            rows,
+            seconds,
+            args.seed,
+            transport=f"{args.transport}://, one connection per simulated agent",
+            per_host=args.per_host,
+            generators=args.generators,
+            pinning=plan.describe(),
+        )
+    if "inprocess" in chosen:
         rows = []
         for ranks in counts:
             rows.append(run_inprocess(ranks, seconds, args.seed))

@@ -24,6 +24,7 @@ import attrs
 import trio
 import trio.lowlevel
 
+from .hosts import WireHost, assigned_ranks, open_wire_host
 from .ranks import BATCH_PERIOD_S, HEARTBEAT_PERIOD_S, KEY
 from .record import Recorder, summarize_ms
 from .sockets import WireGenerator, WireRank, open_wire_rank
@@ -87,9 +88,12 @@ class LineReader:
             self._buffer += data
 
 
-def partition_ranks(ranks: int, generators: int) -> list[range]:
-    """``range(ranks)`` cut into ``generators`` contiguous parts of near-equal size."""
-    bounds = [ranks * part // generators for part in range(generators + 1)]
+def partition_ranks(ranks: int, generators: int, per_host: int = 0) -> list[range]:
+    """``range(ranks)`` cut into ``generators`` contiguous parts of near-equal size (whole
+    hosts of ``per_host`` ranks each, when given)."""
+    unit = per_host or 1
+    units = ranks // unit
+    bounds = [units * part // generators * unit for part in range(generators + 1)]
     return [range(bounds[i], bounds[i + 1]) for i in range(generators) if bounds[i + 1] > bounds[i]]
 
 
@@ -136,9 +140,15 @@ class GeneratorProcess:
 
 @contextlib.asynccontextmanager
 async def open_generators(
-    url: str, world_size: int, seed: int, generators: int, cores: frozenset[int] | None
+    url: str,
+    world_size: int,
+    seed: int,
+    generators: int,
+    cores: frozenset[int] | None,
+    per_host: int = 0,
 ) -> AsyncIterator[list[GeneratorProcess]]:
-    """Start ``generators`` child processes that together run ranks 0..world_size-1 at ``url``.
+    """Start ``generators`` child processes that together run ranks 0..world_size-1 at ``url``
+    (through simulated agents of ``per_host`` ranks each, when given).
 
     On exit every child has exited: those that do not exit within the grace period after their
     stdin closed, and all of them when the block is cancelled or raises, are killed and reaped.
@@ -147,7 +157,7 @@ async def open_generators(
     started: list[GeneratorProcess] = []
     try:
         async with trio.open_nursery() as nursery:
-            for part in partition_ranks(world_size, generators):
+            for part in partition_ranks(world_size, generators, per_host):
                 command = [
                     sys.executable,
                     "-m",
@@ -158,6 +168,7 @@ async def open_generators(
                     f"--count={len(part)}",
                     f"--world={world_size}",
                     f"--seed={seed}",
+                    f"--per-host={per_host}",
                 ]
                 if cores is not None:
                     command.append("--cores=" + ",".join(str(core) for core in sorted(cores)))
@@ -182,12 +193,16 @@ async def open_generators(
                 await generator.process.wait()
 
 
-async def run_generator(url: str, ranks: range, world_size: int, seed: int) -> None:
+async def run_generator(
+    url: str, ranks: range, world_size: int, seed: int, per_host: int = 0
+) -> None:
     """Run ``ranks`` (stamping their messages) until stdin ends; answer start/stop on stdio.
 
     ``start`` opens the measured window; ``stop`` closes it and prints one JSON line with the
-    generator's figures for it. Phases are drawn for all ranks in order, as the in-process
-    mode does, so a rank has the same phases in both modes.
+    generator's figures for it; ``kill RANK`` kills a rank, ``killhost NODE`` a host. Phases
+    are drawn for all ranks in order, as the in-process mode does, so a rank has the same
+    phases in every mode. ``per_host`` > 0: the agents layout (:mod:`.hosts`), ``ranks``
+    being whole hosts of that many ranks.
     """
     recorder = Recorder(world_size)
     hub = WireGenerator(recorder)
@@ -200,6 +215,8 @@ async def run_generator(url: str, ranks: range, world_size: int, seed: int) -> N
     wires: dict[int, WireRank] = {}
     control = LineReader(trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())))
 
+    hosts: dict[int, WireHost] = {}
+
     async def join(rank: int) -> None:
         async with limiter:
             sock, keys = await open_wire_rank(url, KEY, rank, world_size)
@@ -208,20 +225,46 @@ async def run_generator(url: str, ranks: range, world_size: int, seed: int) -> N
         hub.add(wire)
         wire.start()
 
+    async def join_host(node: int) -> None:
+        async with limiter:
+            sock, encoder, decoder = await open_wire_host(url, KEY, node, per_host)
+        assigned = await assigned_ranks(sock, decoder)
+        first = assigned.first_rank
+        host = WireHost(node, world_size, hub, sock, (encoder, decoder), first)
+        hosts[node] = host
+        hub.add(host)
+        host.open_tunnels(phases[first : first + per_host], KEY)
+        hub.flush_hosts()
+
+    def kill(rank: int) -> None:
+        if per_host:
+            hosts[rank // per_host].kill_rank(rank)
+            hub.flush_hosts()
+        else:
+            hub.close(wires[rank])
+
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(hub.metronome.run)
             nursery.start_soon(hub.serve)
-            for rank in ranks:
-                nursery.start_soon(join, rank)
+            if per_host:
+                for node in range(ranks.start // per_host, ranks.stop // per_host):
+                    nursery.start_soon(join_host, node)
+            else:
+                for rank in ranks:
+                    nursery.start_soon(join, rank)
             cpu_before = wall_before = 0.0
             while (line := await control.next_line()) is not None:
                 if line == b"start":
                     cpu_before, wall_before = time.process_time(), time.perf_counter()
                     recorder.measuring = True
                 elif line.startswith(b"kill "):
-                    # The rank's process dies: its socket closes with no goodbye.
-                    hub.close(wires[int(line.split()[1])])
+                    # The rank's process dies: its socket closes with no goodbye (through
+                    # an agent: the agent reports its exit, then the tunnel closes).
+                    kill(int(line.split()[1]))
+                elif line.startswith(b"killhost "):
+                    # The agent dies (SIGKILL): its socket closes, its ranks with it.
+                    hub.close(hosts[int(line.split()[1])])
                 elif line == b"stop":
                     recorder.measuring = False
                     cpu = time.process_time() - cpu_before
@@ -254,10 +297,11 @@ def generator_main(argv: Sequence[str]) -> int:
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--cores", help="comma-separated cores to pin this process to")
+    parser.add_argument("--per-host", type=int, default=0, help="ranks per simulated agent")
     args = parser.parse_args(argv)
     if args.cores:
         os.sched_setaffinity(0, {int(core) for core in args.cores.split(",")})
     gc.collect()
     ranks = range(args.first, args.first + args.count)
-    trio.run(run_generator, args.url, ranks, args.world, args.seed)
+    trio.run(run_generator, args.url, ranks, args.world, args.seed, args.per_host)
     return 0

@@ -130,9 +130,17 @@ def run_inprocess(ranks: int, seconds: float, seed: int) -> dict[str, Any]:
 
 
 async def measure_split(
-    ranks: int, seconds: float, seed: int, transport: str, generators: int, plan: CpuPlan
+    ranks: int,
+    seconds: float,
+    seed: int,
+    transport: str,
+    generators: int,
+    plan: CpuPlan,
+    per_host: int = 0,
 ) -> dict[str, Any]:
-    """Serve ``ranks`` ranks run by generator processes; measure ``seconds`` after warm-up."""
+    """Serve ``ranks`` ranks run by generator processes; measure ``seconds`` after warm-up.
+    ``per_host`` > 0: the ranks reach it through simulated node agents of that many ranks
+    (:mod:`.hosts`), and a host loss is timed after the membership change."""
     recorder = Recorder(ranks, clock_offset=trio_clock_offset())
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="flodl-scale-") as folder:
@@ -147,7 +155,7 @@ async def measure_split(
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(timer_probe, recorder)
                     async with open_generators(
-                        coord.url, ranks, seed, generators, plan.generators
+                        coord.url, ranks, seed, generators, plan.generators, per_host
                     ) as children:
                         await warm_up(recorder, machine, ranks)
                         warm_at = trio.current_time()
@@ -169,6 +177,11 @@ async def measure_split(
                             if ranks >= MIN_RANKS_FOR_REGROUP
                             else None
                         )
+                        lost_host = (
+                            await host_loss(machine, children, ranks // per_host // 4, per_host)
+                            if per_host and ranks >= 2 * per_host
+                            else None
+                        )
                         # The ranks leave on the shutdown (closing a socket with unread data
                         # would reset it: let them read it all); then their processes exit.
                         coord.request_stop(save=True)
@@ -181,6 +194,9 @@ async def measure_split(
     row = base_row(ranks, recorder, cpu, wall, sent, warm_at - started, rounds, anchor, load_before)
     lag_p99 = max(part["lag"]["p99_ms"] for part in reports)
     kept_up = lag_p99 < GENERATOR_LAG_LIMIT_S * 1000.0
+    if per_host:
+        row["layout"] = f"{ranks // per_host} agents x {per_host} ranks"
+        row["host_loss"] = lost_host
     row.update(
         {
             "membership_change": regroup,
@@ -245,8 +261,59 @@ async def membership_change(
     }
 
 
+async def host_loss(
+    machine: CoordinatorMachine, children: Sequence[GeneratorProcess], node: int, per_host: int
+) -> dict[str, Any]:
+    """Kill simulated agent ``node`` (its generator closes its socket: every rank it carried
+    is gone at once) and time the coordinator's decision: the kill to the first generation of
+    the group committed without any of the host's ranks, in wall time (timeline polled every
+    2 ms), with the machine's ``took_s`` for that regroup and the coordinator's CPU time."""
+    lost = set(range(node * per_host, (node + 1) * per_host))
+    seq = machine.timeline.added
+    child = next(c for c in children if node * per_host in c.ranks)
+    cpu_before, wall_before = time.process_time(), time.perf_counter()
+    killed_at = trio.current_time()
+    await child.command(f"killhost {node}")
+    dead: dict[int, float] = {}
+    formed: TimelineEvent | None = None
+    with trio.move_on_after(REGROUP_LIMIT_S):
+        while formed is None:
+            await trio.sleep(REGROUP_POLL_S)
+            for _, event in machine.timeline.since(seq):
+                if event.kind is EventKind.RANK_DEAD and event.detail.get("rank") in lost:
+                    dead.setdefault(event.detail["rank"], event.time)
+                elif event.kind is EventKind.GROUP_REFORMED and not lost & set(
+                    event.detail.get("members", [])
+                ):
+                    formed = event
+                    break
+            seq = machine.timeline.added
+    wall = time.perf_counter() - wall_before
+    cpu = time.process_time() - cpu_before
+    took = None if formed is None else formed.detail.get("took_s")
+    return {
+        "killed_node": node,
+        "ranks_lost": len(lost),
+        "committed": formed is not None,
+        "decision_s": None if took is None else round(took, 4),
+        "kill_to_all_dead_s": round(max(dead.values()) - killed_at, 4)
+        if len(dead) == len(lost)
+        else None,
+        "kill_to_commit_wall_s": round(wall, 4) if formed is not None else None,
+        "coordinator_cpu_s": round(cpu, 4),
+        "generation": None if formed is None else formed.detail.get("generation"),
+        "members_after": None if formed is None else len(formed.detail.get("members", [])),
+    }
+
+
 def run_split(
-    ranks: int, seconds: float, seed: int, transport: str, generators: int, plan: CpuPlan
+    ranks: int,
+    seconds: float,
+    seed: int,
+    transport: str,
+    generators: int,
+    plan: CpuPlan,
+    per_host: int = 0,
 ) -> dict[str, Any]:
     """One rank count in a fresh trio run, this process pinned to the coordinator's core."""
     before = os.sched_getaffinity(0) if plan.coordinator is not None else None
@@ -255,7 +322,7 @@ def run_split(
     try:
         gc.collect()
         row: dict[str, Any] = trio.run(
-            measure_split, ranks, seconds, seed, transport, generators, plan
+            measure_split, ranks, seconds, seed, transport, generators, plan, per_host
         )
     finally:
         if before is not None:

@@ -69,8 +69,10 @@ class Metronome:
 
     SLOT_S = 0.002
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder, after_slot: Callable[[], None] | None = None) -> None:
         self._pending: list[tuple[int, int, float, Callable[[float], None]]] = []
+        self._after_slot = after_slot
+        """Called once a slot's actions ran (the agents layout sends what they queued)."""
         self._order = itertools.count()
         self._fired_through = math.floor(trio.current_time() / self.SLOT_S)
         self._recorder = recorder
@@ -93,6 +95,8 @@ class Metronome:
                 if recorder.measuring:
                     recorder.rank_lag.append(trio.current_time() - when)
                 action(now)
+            if self._after_slot is not None:
+                self._after_slot()
 
 
 JOB = Job(dataset_size=DATASET_SIZE, batch_size=1, epochs=1)

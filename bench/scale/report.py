@@ -139,7 +139,7 @@ def mode_section(
         "max_ranks_meeting_target": max_ranks_meeting_target(rows),
         "cpu_us_per_message": reference["cpu_us_per_message"],
         "cpu_us_per_message_at_ranks": reference["ranks"],
-        "latency_definition": SPLIT_LATENCY if mode == "split" else INPROCESS_LATENCY,
+        "latency_definition": INPROCESS_LATENCY if mode == "inprocess" else SPLIT_LATENCY,
         "seconds_per_count": seconds,
         "seed": seed,
         "taken_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -189,7 +189,7 @@ def report(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def print_table(mode: str, rows: Sequence[dict[str, Any]], header: bool = True) -> None:
-    extra = "gen lag99 gen cpu" if mode == "split" else "  coord share"
+    extra = "gen lag99 gen cpu" if mode != "inprocess" else "  coord share"
     if header:
         print(
             f"[{mode}] {'ranks':>6} {'offered':>8} {'msg/s':>8} {'B/rank/s':>8} {'p50 ms':>7}"
@@ -197,7 +197,7 @@ def print_table(mode: str, rows: Sequence[dict[str, Any]], header: bool = True) 
         )
     for r in rows:
         lat, timer = r["latency"], r["timer_lateness"]
-        if mode == "split":
+        if mode != "inprocess":
             tail = f"{r['generator_lag_p99_ms']:>9.1f} {r['generator_cpu_share_of_wall']:>7.2f}"
             ok = r["verdict"]
         else:

@@ -15,6 +15,7 @@ import select
 import socket
 import time
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import trio
 import trio.lowlevel
@@ -41,6 +42,17 @@ ends every rank has messages at once, and each costs its machine tens of microse
 keep the metronome's wait to about a millisecond, so the ranks' ticks stay on schedule."""
 
 
+class RankHub(Protocol):
+    """Where a :class:`WireRank`'s bytes go: the generator's sockets, or its host's tunnel."""
+
+    recorder: Recorder
+    metronome: Metronome
+
+    def write(self, rank: WireRank, data: bytes) -> None: ...
+
+    def hang_up(self, rank: WireRank) -> None: ...
+
+
 class WireRank:
     """One simulated rank of the generator: its :class:`RankLoop` over a raw socket. Frames
     from the coordinator are decoded into messages for the machine; what the machine sends
@@ -50,8 +62,8 @@ class WireRank:
         self,
         rank: int,
         world_size: int,
-        hub: WireGenerator,
-        sock: socket.socket,
+        hub: RankHub,
+        sock: socket.socket | None,
         keys: SessionKeys,
         batch_phase: float,
         heartbeat_phase: float,
@@ -115,17 +127,32 @@ class WireGenerator:
 
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
-        self.metronome = Metronome(recorder)
+        self.metronome = Metronome(recorder, after_slot=self.flush_hosts)
         self._epoll = select.epoll()
-        self._by_fd: dict[int, WireRank] = {}
+        self._by_fd: dict[int, Any] = {}
+        """What each socket belongs to: a :class:`WireRank`, or a host of the agents layout
+        (:class:`~.hosts.WireHost`: the same ``sock``, ``unsent``, ``open``, ``received``)."""
         self._hanging_up: set[WireRank] = set()
         """Ranks that said goodbye and close once their unsent bytes are written."""
+        self._dirty: dict[Any, None] = {}
+        """Hosts with something queued to go up (agents layout)."""
 
-    def add(self, rank: WireRank) -> None:
+    def dirty(self, host: Any) -> None:
+        """``host`` queued something: it flushes after this slot or pass (:meth:`flush_hosts`)."""
+        self._dirty[host] = None
+
+    def flush_hosts(self) -> None:
+        """Let each host that queued something send it, folded (agents layout)."""
+        while self._dirty:
+            dirty, self._dirty = self._dirty, {}
+            for host in dirty:
+                host.flush()
+
+    def add(self, rank: Any) -> None:
         self._by_fd[rank.sock.fileno()] = rank
         self._epoll.register(rank.sock.fileno(), select.EPOLLIN)
 
-    def write(self, rank: WireRank, data: bytes) -> None:
+    def write(self, rank: Any, data: bytes) -> None:
         """Write ``data`` now, or queue it behind bytes the socket has not taken yet."""
         if rank.unsent:
             rank.unsent += data
@@ -141,7 +168,7 @@ class WireGenerator:
             rank.unsent += data[sent:]
             self._epoll.modify(rank.sock.fileno(), select.EPOLLIN | select.EPOLLOUT)
 
-    def _flush(self, rank: WireRank) -> None:
+    def _flush(self, rank: Any) -> None:
         try:
             sent = rank.sock.send(rank.unsent)
         except BlockingIOError:
@@ -163,13 +190,16 @@ class WireGenerator:
         else:
             self._hanging_up.add(rank)
 
-    def close(self, rank: WireRank) -> None:
+    def close(self, rank: Any) -> None:
+        """Close the socket of a rank, or of a host (its ranks are gone with it)."""
         self._hanging_up.discard(rank)
         if rank.open:
             rank.open = False
             del self._by_fd[rank.sock.fileno()]
             self._epoll.unregister(rank.sock.fileno())
             rank.sock.close()
+            for carried in getattr(rank, "ranks", {}).values():
+                carried.open = False
 
     def close_all(self) -> None:
         for rank in list(self._by_fd.values()):
@@ -190,8 +220,9 @@ class WireGenerator:
                     rank = self._by_fd.get(fd)
                     if rank is not None:
                         self._ready(rank, flags, now)
+                self.flush_hosts()
 
-    def _ready(self, rank: WireRank, flags: int, now: float) -> None:
+    def _ready(self, rank: Any, flags: int, now: float) -> None:
         if flags & select.EPOLLOUT and rank.unsent:
             self._flush(rank)
         if not flags & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) or not rank.open:

@@ -266,3 +266,36 @@ def test_both_modes_with_eight_ranks_for_two_seconds(tmp_path: Path) -> None:
         result["inprocess_coordinator_cpu_us_per_message"]
         == (in_row["coordinator_cpu_us_per_message"])
     )
+
+
+def test_the_agents_layout_carries_every_rank_through_its_host(tmp_path: Path) -> None:
+    output = tmp_path / "coordinator.json"
+    command = [sys.executable, "-m", "bench.scale", "--mode", "agents", "--agent-ranks", "16"]
+    done = subprocess.run(
+        [*command, "--per-host", "4", "--seconds", "2", "--output", str(output)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(output.read_text())
+    assert set(result["modes"]) == {"agents"}
+    section = result["modes"]["agents"]
+    assert section["per_host"] == 4
+    (row,) = section["counts"]
+    assert row["layout"] == "4 agents x 4 ranks"
+    # The ranks' own frames reach the machine through the tunnels, each with its send time.
+    assert row["unstamped_messages"] == 0
+    assert row["latency"]["count"] == row["messages"] == sum(row["messages_by_kind"].values())
+    assert 16 * 2 * 6 <= row["batch_reports"] <= 16 * 2 * 10 * 1.25  # as for 8 ranks above
+    (generator,) = row["generators"]
+    assert generator["sent_by_kind"] == row["offered_by_kind"]
+    # Rank 8 (node 2) killed, reported by its agent: the group re-forms without it alone.
+    regroup = row["membership_change"]
+    assert regroup["committed"] and regroup["killed_rank"] == 8 and regroup["members_after"] == 15
+    # Then node 1's agent killed: its four ranks are gone together.
+    lost = row["host_loss"]
+    assert lost["committed"] and (lost["killed_node"], lost["ranks_lost"]) == (1, 4)
+    assert lost["members_after"] == 11 and lost["kill_to_all_dead_s"] is not None

@@ -12,7 +12,7 @@ oldest epoch in which the rank still has work. Pure: no I/O, no clocks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 
 from flodl.core.common.work import WorkMessage, work_span
 from flodl.core.coordinator.partitions import ChunkPool
@@ -81,12 +81,16 @@ class Workload:
         """Batches ``rank`` was given and has not finished, over every epoch."""
         return sum(pool.ledger.in_flight(rank) for pool in self._pools)
 
-    def quiesced(self, ranks: Iterable[int]) -> frozenset[int]:
+    def quiesced(self, ranks: Iterable[int]) -> Set[int]:
         """Ranks with nothing in flight once no work is left to hand out (the trigger's
-        exemption); empty while work remains, since then every window is filled."""
+        exemption); empty while work remains, since then every window is filled.
+
+        A view, read when asked: a membership test costs one rank's ledger lookups, not a scan
+        of every rank (the trigger asks after each batch report, and at the end of a run every
+        window is the last one)."""
         if not self.exhausted:
             return frozenset()
-        return frozenset(rank for rank in ranks if self.in_flight(rank) == 0)
+        return _Quiesced(self, ranks)
 
     # --- changes ----------------------------------------------------------------------------
 
@@ -191,3 +195,20 @@ class Workload:
                 self._open_next()
             finished.append(self._pools.pop(0))
         return finished
+
+
+class _Quiesced(Set[int]):
+    """:meth:`Workload.quiesced` as a lazy set over ``ranks`` (the work is exhausted)."""
+
+    def __init__(self, work: Workload, ranks: Iterable[int]) -> None:
+        self._work = work
+        self._ranks = ranks if isinstance(ranks, Set) else frozenset(ranks)
+
+    def __contains__(self, rank: object) -> bool:
+        return isinstance(rank, int) and rank in self._ranks and self._work.in_flight(rank) == 0
+
+    def __iter__(self) -> Iterator[int]:
+        return (rank for rank in self._ranks if self._work.in_flight(rank) == 0)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
