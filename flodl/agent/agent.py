@@ -17,28 +17,20 @@ coordinator sees them go and the ranks on other hosts re-form without them.
 
 from __future__ import annotations
 
-import functools
 import subprocess
-import time
 from pathlib import Path
 
 import attrs
 import trio
 
 from flodl.agent.config import AgentConfig
+from flodl.agent.host_ranks import HostRanks
 from flodl.agent.link import NodeAssignment, open_agent_link
-from flodl.coordinator.signals import StopSignals, watch_signals
 from flodl.host.console import say
 from flodl.host.environment import RankEnv, rank_process_environment, write_session_key
 from flodl.host.torchrun_env import TorchrunLayout
 from flodl.supervise.exits import exit_text
-from flodl.supervise.ranks import (
-    RankProcess,
-    RestartBudget,
-    Supervision,
-    kill_rank_groups,
-    supervise_rank,
-)
+from flodl.supervise.ranks import RestartBudget, Supervision
 from flodl.transports.reach import host_of
 
 __all__ = ["AgentResult", "agent_rank_environment", "run_agent"]
@@ -145,17 +137,14 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
         show_ranks=config.show_ranks,
         shared=RestartBudget(config.restarts),  # --restarts counts for the host
     )
-    spawned: list[RankProcess] = []
-    stops = StopSignals()
 
-    async def start_rank(rank: int) -> trio.Process:
-        earlier = [item.restarts for item in spawned if item.rank == rank]
+    async def start_rank(rank: int, restart_count: int) -> trio.Process:
         env = agent_rank_environment(
             config,
             assignment,
             rank - assignment.first_rank,
             key_file,
-            earlier[0] if earlier else 0,
+            restart_count,
             link.tunnels.url,
         )
         return await trio.lowlevel.open_process(
@@ -167,6 +156,13 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
             start_new_session=True,  # out of the terminal's process group: signals are ours
         )
 
+    host = HostRanks(
+        assignment.ranks,
+        start_rank,
+        supervision,
+        exit_grace=config.exit_grace,
+        kill_says=("kill this host's ranks", "killing this host's ranks"),
+    )
     tunnels = trio.CancelScope()
 
     async def carry_ranks(task_status: trio.TaskStatus[None]) -> None:
@@ -183,37 +179,16 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
         async with trio.open_nursery() as nursery:
             await nursery.start(carry_ranks)
             nursery.start_soon(carry_link)
-            kill = functools.partial(kill_rank_groups, spawned)
-            says = ("kill this host's ranks", "killing this host's ranks")
-            await nursery.start(watch_signals, link, stops, kill, says)
-            async with trio.open_nursery() as ranks:
-                for rank in assignment.ranks:
-                    item = RankProcess(rank, await start_rank(rank), time.time())
-                    spawned.append(item)
-                    ranks.start_soon(supervise_rank, item, link, supervision, start_rank)
-                await link.ended.wait()
-                await _let_ranks_exit(spawned, config.exit_grace)
+            await host.run(link)
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
-            kill_rank_groups(spawned, exited_too=True)
-            for item in spawned:
-                await item.process.wait()
             await link.aclose()
     lost = link.lost
     return AgentResult(
         assignment=assignment,
-        exits={item.rank: [exit_text(code) for code, _ in item.exits] for item in spawned},
-        restarts=sum(item.restarts for item in spawned),
+        exits={item.rank: [exit_text(code) for code, _ in item.exits] for item in host.spawned},
+        restarts=sum(item.restarts for item in host.spawned),
         coordinator_lost=None if lost is None else f"{type(lost).__name__}: {lost}",
-        killed=stops.killed or any(item.exit_log.killed for item in spawned),
+        killed=host.stops.killed or any(item.exit_log.killed for item in host.spawned),
     )
-
-
-async def _let_ranks_exit(spawned: list[RankProcess], grace: float) -> None:
-    """The run ended or the coordinator is gone: give the ranks ``grace`` seconds, in all, to
-    exit on their own (saving what they must), then kill what is left."""
-    with trio.move_on_after(grace):
-        for item in spawned:
-            await item.process.wait()
-    kill_rank_groups(spawned)

@@ -94,6 +94,15 @@ class AgentLink:
         self._outgoing.send_nowait(report)
         return []
 
+    async def wait_ended(self) -> None:
+        """Return once the run ended or the coordinator was lost."""
+        await self.ended.wait()
+
+    def lost_ranks(self) -> Sequence[int]:
+        """None known: the coordinator decides which ranks the run lost, and after the run's
+        end every rank of the host gets the exit grace alike."""
+        return ()
+
     def request_stop(self, save: bool = True) -> None:
         """Ask the coordinator to end the run with a save (a stop signal reached the agent)."""
         self._outgoing.send_nowait(AgentStop(f"node {self._node_rank}'s agent was signalled"))

@@ -182,6 +182,14 @@ class Coordinator:
         """The run is over (:class:`~flodl.supervise.exits.ExitSink`)."""
         return self._machine.finished
 
+    async def wait_ended(self) -> None:
+        """:meth:`wait_finished`, as the host's ranks wait for it under ``flodl run``."""
+        await self._finished.wait()
+
+    def lost_ranks(self) -> frozenset[int]:
+        """The ranks the run lost and that did not rejoin (final once it finished)."""
+        return self._machine.lost_ranks()
+
     def rank_exited(self, exit: RankExit) -> list[str]:
         """A supervisor saw a rank's process exit (:class:`~flodl.supervise.exits.ExitSink`):
         the machine hears of it at once (no heartbeat wait). Returns what a person should hear

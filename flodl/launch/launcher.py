@@ -1,5 +1,9 @@
 """Spawn and supervise local ranks around an in-process coordinator (``flodl run``).
 
+``flodl run`` is the coordinator plus the node agent's supervision in one process: the ranks
+are run by :class:`~flodl.agent.host_ranks.HostRanks`, as under ``flodl agent``, with the
+coordinator itself as their link (no tunnel: they connect to it directly).
+
 :func:`launch` opens the coordinator, starts ``nproc`` copies of the training script with the
 environment a rank needs (torchrun-style RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
 MASTER_PORT plus flodl's own ``FLODL_*``), relays their output with a ``[rank N]`` prefix, feeds
@@ -15,7 +19,6 @@ The session key is generated here and handed to the ranks in a 0600 file named b
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import secrets
@@ -26,9 +29,9 @@ from typing import Any
 
 import trio
 
+from flodl.agent.host_ranks import HostRanks
 from flodl.checkpoint.resume import ResumePlan, plan_resume, save_coordinator_meta
 from flodl.coordinator.server import open_coordinator
-from flodl.coordinator.signals import StopSignals, watch_signals
 from flodl.host.console import say
 from flodl.host.environment import RankEnv, rank_process_environment, write_session_key
 from flodl.host.rundir import claim_run_dir, set_aside
@@ -38,14 +41,7 @@ from flodl.launch.summary import SUMMARY_NAME, build_summary
 from flodl.observe.events import EVENTS_NAME
 from flodl.observe.hub import open_observer
 from flodl.observe.views import run_views
-from flodl.supervise.ranks import (
-    RankProcess,
-    Supervision,
-    kill_rank_groups,
-    kill_ranks,
-    let_ranks_exit,
-    supervise_rank,
-)
+from flodl.supervise.ranks import Supervision
 
 
 def rank_environment(
@@ -123,11 +119,9 @@ async def _launch(
     else:
         url = "tcp://127.0.0.1:0"
     started_unix = time.time()
-    spawned: list[RankProcess] = []
     supervision = Supervision(
         run_dir, config.restarts, echo=config.echo, show_ranks=config.show_ranks
     )
-    stops = StopSignals()
     async with open_coordinator(
         url,
         config.nproc,
@@ -145,60 +139,45 @@ async def _launch(
         master_port = free_port()
         if config.nproc > 1 and "OMP_NUM_THREADS" not in os.environ and config.echo:
             say(OMP_NOTE.format(n=config.nproc))
+
+        async def start_rank(rank: int, restart_count: int) -> trio.Process:
+            env = rank_environment(
+                config,
+                rank,
+                coordinator.url,
+                key_file,
+                master_port,
+                resume=None if plan is None else plan.bundle,
+                restart_count=restart_count,
+            )
+            return await trio.lowlevel.open_process(
+                [config.python, config.script, *config.script_args],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                # Out of the terminal's process group: Ctrl-C is the launcher's to handle.
+                start_new_session=True,
+            )
+
+        # The host's ranks, run by the node agent's own code with the coordinator in this
+        # process as its link: one supervision for one host and for many.
+        host = HostRanks(
+            range(config.nproc),
+            start_rank,
+            supervision,
+            exit_grace=config.exit_grace,
+            kill_says=("kill them", "killing the ranks"),
+        )
         observing = open_observer(coordinator, run_dir, (trio_start, clock_unix))
-        try:
-            async with observing as observer, trio.open_nursery() as nursery:
-                view = observer.view
-                dashboard = await nursery.start(run_views, observer, config.views)
-                if dashboard is not None and config.echo:
-                    say(f"flodl: dashboard at {dashboard}")
-
-                async def start_rank(rank: int) -> trio.Process:
-                    earlier = [item.restarts for item in spawned if item.rank == rank]
-                    env = rank_environment(
-                        config,
-                        rank,
-                        coordinator.url,
-                        key_file,
-                        master_port,
-                        resume=None if plan is None else plan.bundle,
-                        restart_count=earlier[0] if earlier else 0,
-                    )
-                    return await trio.lowlevel.open_process(
-                        [config.python, config.script, *config.script_args],
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT,
-                        # Out of the terminal's process group: Ctrl-C is the launcher's to handle.
-                        start_new_session=True,
-                    )
-
-                kill = functools.partial(kill_rank_groups, spawned)
-                says = ("kill them", "killing the ranks")
-                await nursery.start(watch_signals, coordinator, stops, kill, says)
-                for rank in range(config.nproc):
-                    item = RankProcess(rank, await start_rank(rank), time.time())
-                    spawned.append(item)
-                    nursery.start_soon(supervise_rank, item, coordinator, supervision, start_rank)
-                await coordinator.wait_finished()
-                await let_ranks_exit(spawned, coordinator.record.lost_ranks())
-                # Ranks declared dead for silence will not exit on their own.
-                kill_ranks(spawned, coordinator.record.lost_ranks())
-                with trio.move_on_after(config.exit_grace):
-                    for item in spawned:
-                        await item.process.wait()
-                kill_rank_groups(spawned)
-                nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True):
-                kill_rank_groups(spawned, exited_too=True)
-                for item in spawned:
-                    code = await item.process.wait()
-                    if item.exit_code is None:
-                        item.exit_code = code
-                        item.exited_unix = time.time()
-                        item.exit_log.exited(item.rank, item.process.pid, code, item.exited_unix)
+        async with observing as observer, trio.open_nursery() as nursery:
+            view = observer.view
+            dashboard = await nursery.start(run_views, observer, config.views)
+            if dashboard is not None and config.echo:
+                say(f"flodl: dashboard at {dashboard}")
+            await host.run(coordinator)
+            nursery.cancel_scope.cancel()
+        spawned, stops = host.spawned, host.stops
         summary = build_summary(
             config, coordinator.record, spawned, (clock_unix, trio_start), stops, view
         )

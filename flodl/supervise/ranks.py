@@ -141,7 +141,8 @@ async def supervise_rank(
         spawned.exited_unix = time.time()
         spawned.exits.append((code, spawned.exited_unix))
         spawned.exit_log.exited(spawned.rank, process.pid, code, spawned.exited_unix)
-        restarting = code != 0 and supervision.may_restart(spawned)
+        # After the run's end no rank is started again, and none spends the host's budget.
+        restarting = code != 0 and not sink.run_ended and supervision.may_restart(spawned)
         exit = RankExit(spawned.rank, process.pid, code, spawned.exited_unix, restarting)
         for notice in sink.rank_exited(exit):
             if supervision.echo:
