@@ -31,7 +31,7 @@ import trio
 
 from flodl.coordinator.admission import Tunneled
 from flodl.coordinator.links import CONNECTION_ERRORS
-from flodl.coordinator.tunnels import Downlink
+from flodl.coordinator.tunnels import Downlink, DownlinkHub
 from flodl.core.coordinator.hosts import HostTable
 from flodl.errors import AgentRefused, ChannelClosed, HandshakeTimeout
 from flodl.supervise.exits import RankExit
@@ -81,6 +81,8 @@ class AgentDesk:
         self._run_over = run_over
         self._join_timeout = join_timeout
         self._numbered: dict[int, trio.Event] = {}
+        self.downlinks = DownlinkHub()
+        """Writes what goes down to every agent (its task runs beside the coordinator's)."""
         self.exits: list[RankExited] = []
         """Every exit an agent reported, in order (with its output's tail)."""
 
@@ -106,7 +108,7 @@ class AgentDesk:
         log.info("node %d's agent joined from %s with %d ranks", node_rank, join.host, join.nproc)
         for numbered in fresh:
             self._numbered_event(numbered.node_rank).set()
-        carried = _Carried(node_rank, Downlink(channel))
+        carried = _Carried(node_rank, Downlink(channel, self.downlinks))
         try:
             async with trio.open_nursery() as nursery:
 

@@ -466,6 +466,7 @@ async def open_coordinator(
             nursery.start_soon(coordinator.deadline_loop)
             nursery.start_soon(coordinator.heartbeat_loop)
             nursery.start_soon(coordinator._links.flush_loop)
+            nursery.start_soon(coordinator.agents.downlinks.run)
             serving = partial(
                 serve_ranks,
                 listener,

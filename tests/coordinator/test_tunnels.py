@@ -3,15 +3,17 @@ over its agent's channel, and the downlink that writes to the agent."""
 
 from __future__ import annotations
 
+import socket
 from functools import partial
 
 import pytest
 import trio
 import trio.testing
 
-from flodl.coordinator.tunnels import DOWNLINK_LIMIT, Downlink
+from flodl.coordinator.tunnels import DOWNLINK_LIMIT, Downlink, DownlinkHub
 from flodl.transports.channel import Channel
 from flodl.transports.readers import reader_for
+from flodl.transports.socket_stream import SocketStream
 from flodl.transports.tunnel_reader import TunnelReader
 from flodl.transports.tunnel_stream import TunnelStream
 from flodl.wire.codec import FrameEncoder
@@ -145,3 +147,60 @@ async def test_tunnelled_channels_are_read_by_one_shared_reader() -> None:
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
     assert seen == [(2, [Heartbeat(2, 7)]), (0, [Heartbeat(0, 7)])]
+
+
+def socket_agent_pair() -> tuple[Channel, Channel]:
+    """:func:`agent_pair` over a real socket pair: the coordinator's end writes without
+    waiting (a NowaitStream), as a connected agent's does."""
+    ours, theirs = socket.socketpair()
+    for sock in (ours, theirs):
+        sock.setblocking(False)
+    coordinator = Channel(
+        SocketStream(ours), send_key=DOWN, receive_key=UP, receive_tags=FROM_AGENT_TAGS
+    )
+    agent = Channel(SocketStream(theirs), send_key=UP, receive_key=DOWN, receive_tags=TO_AGENT_TAGS)
+    return coordinator, agent
+
+
+async def test_the_hub_writes_a_step_of_writes_to_an_agent_as_one_frame() -> None:
+    coordinator, agent = socket_agent_pair()
+    hub = DownlinkHub()
+    downlink = Downlink(coordinator, hub)  # its own task never runs: the hub alone writes
+    streams = [downlink.stream(slot) for slot in range(3)]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hub.run)
+        for stream in streams:  # what one broadcast does: a write to each rank, no wait
+            assert isinstance(stream, TunnelStream)
+            stream.send_nowait(b"beat %d" % stream.slot)
+        await streams[1].aclose()
+        down = await agent.receive()
+        end = await agent.receive()
+        nursery.cancel_scope.cancel()
+    await coordinator.aclose()
+    await agent.aclose()
+    assert down == TunnelDown((0, 1, 2), (b"beat 0", b"beat 1", b"beat 2"))
+    assert end == TunnelEnd(1)
+
+
+async def test_what_the_socket_does_not_take_at_once_goes_out_in_order_after_it() -> None:
+    coordinator, agent = socket_agent_pair()
+    hub = DownlinkHub()
+    downlink = Downlink(coordinator, hub)
+    stream = downlink.stream(0)
+    parts = [bytes([n]) * (MAX_BLOB // 2) for n in range(40)]  # far more than a socket holds
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hub.run)
+        nursery.start_soon(downlink.run)
+        for part in parts:
+            stream.send_nowait(part)
+            await trio.lowlevel.checkpoint()  # the hub writes between them
+        received = b""
+        while len(received) < sum(map(len, parts)):
+            message = await agent.receive()
+            assert isinstance(message, TunnelDown)
+            received += b"".join(message.chunks)
+        nursery.cancel_scope.cancel()
+    await coordinator.aclose()
+    await agent.aclose()
+    assert received == b"".join(parts)
+    assert downlink.broken is None
