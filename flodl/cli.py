@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -96,6 +97,12 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+STRICT_HELP = (
+    "exit 1 when any rank was lost, even if the run recovered and completed (default: a run "
+    "that completed exits 0 whatever ranks it lost; the summary names them)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flodl", description="Data-parallel training for machines of unequal speed."
@@ -164,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="start a failed rank again up to this many times; it rejoins the running group",
     )
+    run.add_argument("--strict", action="store_true", help=STRICT_HELP)
     run.add_argument(
         "--keep-checkpoints",
         type=int,
@@ -179,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     coord = commands.add_parser("coordinator", help="coordinate ranks that join from other hosts")
     coord.add_argument("--listen", required=True, metavar="URL", help="e.g. tcp://0.0.0.0:29400")
     coord.add_argument("--world-size", type=int, required=True)
+    coord.add_argument("--strict", action="store_true", help=STRICT_HELP)
     coord.add_argument(
         "--run-dir",
         type=Path,
@@ -304,8 +313,9 @@ def _run(args: argparse.Namespace) -> int:
     from flodl.host.console import unread_is_fine
     from flodl.host.rundir import fresh_run_dir, point_latest
     from flodl.launch.config import LaunchConfig
+    from flodl.launch.exit_status import run_succeeded
     from flodl.launch.launcher import launch
-    from flodl.launch.summary import print_summary, run_succeeded
+    from flodl.launch.summary import print_summary
 
     # Every check here runs before any rank starts: a usage error is one message, exit 2.
     args.nproc = nproc_of(args.nproc)  # a number from here on (--min-ranks is checked by it)
@@ -342,7 +352,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.report:
         with unread_is_fine():
             _write_report(config.run_dir)
-    return 0 if run_succeeded(summary) else 1
+    return 0 if run_succeeded(summary, strict=args.strict) else 1
 
 
 def _run_nodes(args: argparse.Namespace) -> int:
@@ -359,6 +369,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     from flodl.coordinator.server import open_coordinator
     from flodl.coordinator.signals import StopSignals
     from flodl.host.console import say, unread_is_fine
+    from flodl.launch.exit_status import describe_losses, strict_failure, with_losses
     from flodl.launch.failure_report import coordinator_summary, print_root_cause, write_summary
     from flodl.observe.hub import open_observer
     from flodl.observe.views import run_views
@@ -370,7 +381,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     key = session_key_from_env()
     stops = StopSignals()
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, object] = {}
+    summary: dict[str, Any] = {}
 
     async def serve() -> tuple[str, int]:
         async with open_coordinator(
@@ -411,6 +422,10 @@ def _coordinator(args: argparse.Namespace) -> int:
                 summary["wall_s"] = time.time() - clocks[0]
 
     line, status = trio.run(serve)
+    describe_losses(summary, args.world_size)
+    line = with_losses(line, summary, args.world_size)
+    if args.strict and strict_failure(summary):
+        status = 1
     write_summary(args.run_dir / "summary.json", summary)
     with unread_is_fine():  # the terminal may have closed (that may be what stopped the run)
         print(line, flush=True)

@@ -50,10 +50,14 @@ class AgentResult:
     killed: bool
     """A second stop signal, or the end of the exit grace, killed ranks still running."""
 
-    @property
-    def status(self) -> int:
-        """The agent's exit status: 0 when the coordinator ended the run, else 1."""
-        return 0 if self.coordinator_lost is None and not self.killed else 1
+    def exit_status(self, *, strict: bool = False) -> int:
+        """The agent's exit status: 0 when the coordinator ended the run, else 1; with
+        ``strict``, also 1 when any of this host's rank processes failed on the way (even one
+        a restart replaced)."""
+        if self.coordinator_lost is not None or self.killed:
+            return 1
+        failed = any(code != "0" for codes in self.exits.values() for code in codes)
+        return 1 if strict and failed else 0
 
     def closing_line(self, who: str) -> str:
         """What ``who`` (``flodl agent``) says when it ends: how the run ended for this node,

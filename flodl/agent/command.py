@@ -71,6 +71,12 @@ def add_agent_parser(commands: Any) -> None:
         help="relay only these ranks' output; all of it is in run_dir/rank<N>.log",
     )
     agent.add_argument("--quiet", action="store_true", help="relay no rank's output")
+    agent.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when any of this host's ranks failed, even if a restart replaced it or "
+        "the run went on without it (default: 0 whenever the coordinator ended the run)",
+    )
     agent.add_argument("script")
     agent.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -78,7 +84,8 @@ def add_agent_parser(commands: Any) -> None:
 def run_agent_command(args: argparse.Namespace) -> int:
     """``flodl agent``: check every flag by its name, then run this host's ranks until the run
     ends. Exit status 0 when the coordinator ended the run, 1 when it was lost or the ranks
-    had to be killed (usage errors and refusals are the caller's exit 2)."""
+    had to be killed, or with ``--strict`` when a rank failed (usage errors and refusals are
+    the caller's exit 2)."""
     import trio
 
     from flodl.agent.agent import run_agent
@@ -105,4 +112,4 @@ def run_agent_command(args: argparse.Namespace) -> int:
     key = session_key_from_env()
     result = trio.run(run_agent, config, key)
     say(result.closing_line("flodl agent"))
-    return result.status
+    return result.exit_status(strict=args.strict)

@@ -60,7 +60,8 @@ _PIPE = re.compile(r"^(?:\s*[|+][ -]*)+")
 """The ``  | `` and ``  +-+---`` margins of an exception group's traceback."""
 
 
-def _iso(unix: float) -> str:
+def iso_time(unix: float) -> str:
+    """``unix`` as UTC ISO 8601 to the millisecond, ``Z``-suffixed."""
     moment = datetime.datetime.fromtimestamp(unix, tz=datetime.UTC)
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -192,7 +193,7 @@ def _rank_failures(
             **describe_exit(fact.returncode),
             "killed_by_launcher": fact.killed_by_launcher,
             "time_unix": when,
-            "time": _iso(when),
+            "time": iso_time(when),
             "error": error,
             "traceback_tail": tail,
             "log": str(log),
@@ -363,6 +364,7 @@ def coordinator_summary(
         "rounds": record.round,
         "ranks": ranks,
         "deaths": deaths,
+        "lost_ranks": sorted(record.lost_ranks()),
     }
     summary["root_cause"] = _coordinator_root_cause(summary, deaths, stops)
     return summary
@@ -384,7 +386,7 @@ def _coordinator_root_cause(
                 **{name: death[name] for name in fields},
                 "kind": kind,
                 "time_unix": when,
-                "time": _iso(when),
+                "time": iso_time(when),
             }
         if death["cause"] != "exited":
             when = death["detected_unix"]
@@ -394,7 +396,7 @@ def _coordinator_root_cause(
                 "cause": death["cause"],
                 "error": death["why"],
                 "time_unix": when,
-                "time": None if when is None else _iso(when),
+                "time": None if when is None else iso_time(when),
             }
     return _fallback(summary, stops)
 

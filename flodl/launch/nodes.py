@@ -30,7 +30,13 @@ from flodl.host.console import say
 from flodl.host.environment import session_key_from_env
 from flodl.host.layout import ranks_of
 from flodl.host.rundir import fresh_run_dir
-from flodl.launch.failure_report import coordinator_summary, print_root_cause, write_summary
+from flodl.launch.exit_status import describe_losses, strict_failure
+from flodl.launch.failure_report import (
+    coordinator_succeeded,
+    coordinator_summary,
+    print_root_cause,
+    write_summary,
+)
 from flodl.observe.hub import open_observer
 from flodl.observe.view_config import ViewConfig
 from flodl.observe.views import run_views
@@ -104,6 +110,7 @@ async def run_first_node(
                 )
             )
             summary["wall_s"] = time.time() - clocks[0]
+            describe_losses(summary, world_size)
     write_summary(run_dir / "summary.json", summary)
     return result, summary
 
@@ -111,7 +118,9 @@ async def run_first_node(
 def run_nodes_command(args: Any, config: CoordinatorConfig, views: ViewConfig) -> int:
     """``flodl run`` with ``--nnodes``: every flag checked by its name first (a usage error is
     one ConfigError, before anything starts), then this node's part of the run. The exit
-    status is the agent's: 0 when the coordinator ended the run, else 1."""
+    status is the agent's (0 when the coordinator ended the run, else 1; ``--strict``: also 1
+    when one of its ranks failed); node 0's is also 1 when the run did not complete or stop
+    on request, and with ``--strict`` when it lost any rank."""
     check_at_least("--nnodes", args.nnodes, 1)
     check_at_least("--node-rank", args.node_rank, 0)
     if args.node_rank >= args.nnodes:
@@ -134,6 +143,7 @@ def run_nodes_command(args: Any, config: CoordinatorConfig, views: ViewConfig) -
         show_ranks=ranks_of("--show-ranks", args.show_ranks),
     )
     key = session_key_from_env()
+    summary: dict[str, Any] | None = None  # node 0's: the run's
     if args.node_rank > 0:
         result = trio.run(run_agent, agent, key)
     else:
@@ -152,4 +162,8 @@ def run_nodes_command(args: Any, config: CoordinatorConfig, views: ViewConfig) -
         print_root_cause(summary, sys.stdout)
         say(f"  summary: {agent.run_dir / 'summary.json'}")
     say(result.closing_line(f"flodl run: node {args.node_rank}"))
-    return result.status
+    status = result.exit_status(strict=args.strict)
+    if summary is not None:  # node 0 speaks for the run too
+        if not coordinator_succeeded(summary) or (args.strict and strict_failure(summary)):
+            status = 1
+    return status

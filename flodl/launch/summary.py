@@ -21,6 +21,7 @@ from flodl.core.coordinator.record import RunRecord
 from flodl.core.coordinator.timeline import EventKind
 from flodl.launch.config import LaunchConfig
 from flodl.launch.estimate import describe, training_s, versus_ddp
+from flodl.launch.exit_status import describe_losses, lost_line
 from flodl.launch.failure_report import add_failure_report, print_root_cause
 from flodl.launch.saves import account_saves
 from flodl.observe.state import RunView
@@ -90,6 +91,7 @@ def build_summary(
             for name, value in (report.get("final_metrics") or {}).items():
                 final_metrics.setdefault(name, []).append(value)
     syncs_end = [e.time for e in record.timeline if e.kind is EventKind.SYNC_END]
+    started = [e.time for e in record.timeline.of_kind(EventKind.TRAINING_STARTED)]
     deaths = []
     by_rank = {item.rank: item for item in spawned}
     for event in record.timeline.of_kind(EventKind.RANK_DEAD):
@@ -102,15 +104,21 @@ def build_summary(
         before = [t for _, t in exits if t <= detected + 1.0]
         exited = max(before) if before else None
         origin = min(exited, detected) if exited is not None else detected
+        # A rank that died before training started cost no recovery: the run began without
+        # it. Its figure is the wait for the others' start-up, named as such.
+        before_training = not started or event.time < started[0]
+        formed = unix(started[0]) if started and before_training else None
         deaths.append(
             {
                 "rank": rank,
                 "cause": event.detail.get("cause"),
                 "process_exit_unix": exited,
                 "detected_unix": detected,
-                "recovered_unix": recovered,
+                "before_training": before_training,
+                "recovered_unix": None if before_training else recovered,
                 "detection_s": None if exited is None else max(detected - exited, 0.0),
-                "recovery_s": None if recovered is None else recovered - origin,
+                "recovery_s": None if recovered is None or before_training else recovered - origin,
+                "group_formed_without_s": None if formed is None else formed - origin,
             }
         )
     outcome = record.outcome
@@ -129,6 +137,7 @@ def build_summary(
         "batch_counts": record.counts(),
         "ranks": ranks,
         "deaths": deaths,
+        "lost_ranks": sorted(record.lost_ranks()),
         "epochs": record.epoch_results,
         "final_metrics": {
             name: values[0] if len(set(values)) == 1 else values
@@ -140,6 +149,7 @@ def build_summary(
     }
     logs = {item.rank: item.exit_log for item in spawned}
     add_failure_report(summary, logs, record, unix, config.run_dir, stops)
+    describe_losses(summary, config.nproc)
     return summary
 
 
@@ -170,7 +180,8 @@ def print_summary(summary: dict[str, Any], stream: Any = None) -> None:
     status = summary["status"]
     reason = summary.get("save_reason")
     asked = "saved" if status == Status.SAVED.value else "save asked for"
-    print(f"\nflodl: run {status}" + (f" ({asked}: {reason})" if reason else ""), file=out)
+    lost = lost_line(summary, summary.get("nproc", len(summary["ranks"])))
+    print(f"\nflodl: run {status}" + (f" ({asked}: {reason})" if reason else "") + lost, file=out)
     print(f"  {summary['message']}", file=out)
     print(
         f"  {'rank':>4} {'batches':>8} {'syncs':>6} {'idle':>7} {'averaging':>10} {'exit':>7}",
@@ -186,9 +197,7 @@ def print_summary(summary: dict[str, Any], stream: Any = None) -> None:
             file=out,
         )
     for death in summary["deaths"]:
-        rec = death.get("recovery_s")
-        shown = "-" if rec is None or math.isnan(rec) else f"{rec:.3f}s"
-        print(f"  rank {death['rank']} lost ({death['cause']}), recovered in {shown}", file=out)
+        print(f"  rank {death['rank']} lost ({death['cause']}), {_recovery(death)}", file=out)
     for name, value in summary.get("final_metrics", {}).items():
         print(f"  {name}: {value}", file=out)
     if summary.get("versus_ddp"):
@@ -201,9 +210,12 @@ def print_summary(summary: dict[str, Any], stream: Any = None) -> None:
     print_root_cause(summary, out)
 
 
-def run_succeeded(summary: dict[str, Any]) -> bool:
-    """Completed, or stopped on request with every bundle verified; every rank exited 0."""
-    stopped = summary["status"] == Status.SAVED.value and summary.get("save_reason") == "GRACEFUL"
-    return (summary["status"] == Status.COMPLETED.value or stopped) and all(
-        r["exit_code"] == 0 for r in summary["ranks"]
-    )
+def _recovery(death: dict[str, Any]) -> str:
+    """What a death cost the run, as the closing text says it."""
+    if death.get("before_training"):
+        formed = death.get("group_formed_without_s")
+        if formed is None:
+            return "before training started"
+        return f"before training started; the group formed without it {formed:.3f}s later"
+    rec = death.get("recovery_s")
+    return "recovered in " + ("-" if rec is None or math.isnan(rec) else f"{rec:.3f}s")

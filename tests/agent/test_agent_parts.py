@@ -44,14 +44,18 @@ def test_a_hosts_restarts_are_shared_by_its_ranks() -> None:
 def test_the_closing_line_and_status_say_how_the_run_ended_for_the_node() -> None:
     assignment = NodeAssignment(2, 2, 4, "10.0.0.2")
     ended = AgentResult(assignment, {2: ["SIGKILL", "0"], 3: ["0"]}, 1, None, False)
-    assert ended.status == 0
+    assert ended.exit_status() == 0  # rank 2 was killed and replaced: the run went on
+    assert ended.exit_status(strict=True) == 1  # --strict hears of it
+    assert (
+        AgentResult(assignment, {2: ["0"], 3: ["0"]}, 0, None, False).exit_status(strict=True) == 0
+    )
     assert ended.closing_line("flodl agent") == (
         "flodl agent: the run ended; exits: rank 2: SIGKILL 0, rank 3: 0; restarts: 1"
     )
     lost = AgentResult(assignment, {2: ["1"]}, 0, "ChannelClosed: gone", False)
-    assert lost.status == 1
+    assert lost.exit_status() == 1
     assert "lost the coordinator (ChannelClosed: gone)" in lost.closing_line("x")
-    assert AgentResult(assignment, {}, 0, None, True).status == 1  # ranks had to be killed
+    assert AgentResult(assignment, {}, 0, None, True).exit_status() == 1  # ranks were killed
 
 
 def test_a_ranks_environment_names_its_place_and_its_agents_socket(tmp_path: Path) -> None:

@@ -182,3 +182,36 @@ def test_flodl_coordinator_writes_its_summary_and_fails_when_the_run_did_not_com
     assert "Root cause (first failure):" in outputs[0]
     assert f"summary: {run_dir / 'summary.json'}" in outputs[0]
     assert_no_process_left([p.pid for p in (coordinator, *workers)])
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_a_run_that_lost_a_rank_and_completed_exits_0_unless_strict(
+    tmp_path: Path, strict: bool
+) -> None:
+    """What a scheduler reads: the run recovered and completed, so it succeeded; the summary and
+    the first line of the closing text name the rank it lost. --strict makes the loss fail it."""
+    run_dir = tmp_path / "run"
+    nobody_raises = RAISES.replace("i == 5", "i == -1").replace("epochs=50", "epochs=10")
+    script = _script(tmp_path, nobody_raises)
+    flags = ["--strict"] if strict else []
+    argv = [*FLODL, "run", "--nproc", "3", "--run-dir", str(run_dir), *flags, str(script)]
+    launcher = _start(argv, SAY_PID="1")
+    assert launcher.stdout is not None
+    lines = []
+    for line in launcher.stdout:
+        lines.append(line)
+        if found := re.search(r"\[rank 1\] pid (\d+)", line):
+            os.kill(int(found.group(1)), signal.SIGKILL)
+            break
+    output = "".join(lines) + launcher.communicate()[0]
+    assert found, output
+    summary = _summary(run_dir)
+    assert summary["status"] == "completed", output
+    assert launcher.returncode == (1 if strict else 0), output
+    (lost,) = summary["lost"]
+    assert (lost["rank"], lost["why"]) == (1, "killed by SIGKILL"), lost
+    assert summary["lost_ranks"] == [1] and summary["ranks_at_end"] == [0, 2]
+    headline = r"flodl: run completed with ranks \[0, 2\] of 3; rank 1 killed by SIGKILL at \S+Z"
+    assert re.search(headline, output), output
+    assert "recovered in" in output  # it died while training: the survivors re-formed
+    assert_no_process_left([launcher.pid] + [r["pid"] for r in summary["ranks"]])

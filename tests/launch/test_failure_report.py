@@ -259,6 +259,9 @@ class FakeRecord:
     global_step: int = 0
     round: int = 0
 
+    def lost_ranks(self) -> frozenset[int]:
+        return frozenset(int(e.detail["rank"]) for e in self.timeline.of_kind(EventKind.RANK_DEAD))
+
 
 def test_an_agents_report_names_the_coordinators_root_cause_as_flodl_run_would(
     tmp_path: Path,
