@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,14 @@ import trio.lowlevel
 from .generator import GENERATOR_FLAG, cpu_plan, generator_main
 from .modes import measure, profile, run_inprocess, run_split
 from .record import CpuSplit
-from .report import RESULTS, mode_section, previous_modes, print_table, report
+from .report import (
+    RESULTS,
+    failed_row,
+    mode_section,
+    previous_modes,
+    print_table,
+    report,
+)
 
 DEFAULT_COUNTS = (64, 128, 256, 512, 1024, 1536, 2048, 4096)
 QUICK_COUNTS = (16, 64)
@@ -92,57 +99,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts = args.ranks or (QUICK_COUNTS if args.quick else DEFAULT_COUNTS)
     modes = previous_modes(args.output)
     chosen = MODES[args.mode]
-    if "split" in chosen:
+
+    def sweep(
+        mode: str, sweep_counts: Sequence[int], one: Callable[[int], Any], **how: Any
+    ) -> None:
+        """Measure each count of ``mode``; the results file is written after every count, and a
+        count that fails (no warm-up: the load generator could not bring its ranks in) is a
+        row saying so, not the end of the run."""
         rows: list[dict[str, Any]] = []
-        for ranks in counts:
-            rows.append(run_split(ranks, seconds, args.seed, args.transport, args.generators, plan))
-            print_table("split", rows[-1:], header=len(rows) == 1)
-        modes["split"] = mode_section(
+        for ranks in sweep_counts:
+            try:
+                rows.append(one(ranks))
+            except (RuntimeError, ExceptionGroup) as err:
+                rows.append(failed_row(ranks, err))
+            print_table(mode, rows[-1:], header=len(rows) == 1)
+            modes[mode] = mode_section(mode, rows, seconds, args.seed, **how)
+            write_results(args.output, modes)
+
+    pinning = plan.describe()
+    if "split" in chosen:
+        sweep(
             "split",
-            rows,
-            seconds,
-            args.seed,
+            counts,
+            lambda n: run_split(n, seconds, args.seed, args.transport, args.generators, plan),
             transport=f"{args.transport}://" + (" (127.0.0.1)" if args.transport == "tcp" else ""),
             generators=args.generators,
-            pinning=plan.describe(),
+            pinning=pinning,
         )
     if "agents" in chosen:
-        rows = []
-        quick_counts = QUICK_AGENT_COUNTS if args.quick else AGENT_COUNTS
-        for ranks in args.agent_ranks or quick_counts:
-            row = run_split(
-                ranks, seconds, args.seed, args.transport, args.generators, plan, args.per_host
-            )
-            rows.append(row)
-            print_table("agents", rows[-1:], header=len(rows) == 1)
-        modes["agents"] = mode_section(
+        agent_args = (args.seed, args.transport, args.generators, plan, args.per_host)
+        sweep(
             "agents",
-            rows,
-            seconds,
-            args.seed,
+            args.agent_ranks or (QUICK_AGENT_COUNTS if args.quick else AGENT_COUNTS),
+            lambda n: run_split(n, seconds, *agent_args),
             transport=f"{args.transport}://, one connection per simulated agent",
             per_host=args.per_host,
             generators=args.generators,
-            pinning=plan.describe(),
+            pinning=pinning,
         )
     if "inprocess" in chosen:
-        rows = []
-        for ranks in counts:
-            rows.append(run_inprocess(ranks, seconds, args.seed))
-            print_table("inprocess", rows[-1:], header=len(rows) == 1)
-        modes["inprocess"] = mode_section(
+        sweep(
             "inprocess",
-            rows,
-            seconds,
-            args.seed,
+            counts,
+            lambda n: run_inprocess(n, seconds, args.seed),
             transport="memory://",
             pinning="not pinned (one thread: at most one core)",
             cpu="time.process_time over the measured window (coordinator and ranks together); "
             "cpu_split_share from a trio instrument timing task steps (time.thread_time)",
         )
-    result = report(dict(sorted(modes.items(), key=lambda item: item[0] != "split")))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    result = write_results(args.output, modes)
     print(
         f"split: max_ranks_meeting_target={result['max_ranks_meeting_target']}, "
         f"cpu_us_per_message={result['cpu_us_per_message']} "
@@ -152,6 +157,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"load average {os.getloadavg()[0]:.2f}; wrote {args.output}"
     )
     return 0
+
+
+def write_results(path: Path, modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The results document of ``modes`` (split first), written to ``path``."""
+    result = report(dict(sorted(modes.items(), key=lambda item: item[0] != "split")))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 if __name__ == "__main__":

@@ -109,6 +109,21 @@ def base_row(
     }
 
 
+def failed_row(ranks: int, error: BaseException) -> dict[str, Any]:
+    """A count that could not be measured: no warm-up (its ranks did not all join and start
+    averaging in time), with what the error said of how far it got."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return {
+        "ranks": ranks,
+        "verdict": "no_warmup",
+        "meets_target": False,
+        "error": f"{type(error).__name__}: {error}",
+        "cpu_us_per_message": None,
+        "load_average_1m_after": round(os.getloadavg()[0], 2),
+    }
+
+
 def share(part: float, whole: float) -> float:
     return round(part / whole, 3) if whole > 0 else math.nan
 
@@ -177,6 +192,7 @@ def report(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "min_batch_per_rank_s": MIN_BATCH_RATE_SHARE / BATCH_PERIOD_S,
             "met_at_target_ranks": met,
         },
+        "agents_vs_split": _agents_vs_split(split, modes.get("agents")),
         "latency_definition": LATENCY_DEFINITION,
         "load": {
             "batch_per_rank_s": 1 / BATCH_PERIOD_S,
@@ -188,6 +204,54 @@ def report(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+AGENT_TARGETS = {
+    "p99_ms_below": TARGET_P99_S * 1000.0,
+    "rank_death_decided_s_at_most": 1.0,
+    "host_loss_decided_s_at_most": 1.0,
+    "cpu_us_per_rank_s_over_split_at_most": 0.25,
+}
+"""The agents layout's targets at :data:`TARGET_RANKS` (512 agents of 8)."""
+
+
+def _agents_vs_split(
+    split: dict[str, Any] | None, agents: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """At :data:`TARGET_RANKS` ranks: the agents layout beside one connection per rank, when
+    this file holds both (measured in one run when their ``taken_at`` are minutes apart)."""
+    if split is None or agents is None:
+        return None
+    rows = [
+        next((r for r in m["counts"] if r["ranks"] == TARGET_RANKS and "error" not in r), None)
+        for m in (split, agents)
+    ]
+    direct, through = rows
+    if direct is None or through is None:
+        return None
+    cpu_ratio = through["cpu_us_per_rank_s"] / direct["cpu_us_per_rank_s"]
+    p99 = max(through["latency"]["p99_ms"], through["timer_lateness"]["p99_ms"])
+    death = (through.get("membership_change") or {}).get("kill_to_commit_wall_s")
+    host = (through.get("host_loss") or {}).get("kill_to_commit_wall_s")
+    return {
+        "ranks": TARGET_RANKS,
+        "layout": through.get("layout"),
+        "p99_ms": p99,
+        "split_p99_ms": max(direct["latency"]["p99_ms"], direct["timer_lateness"]["p99_ms"]),
+        "rank_death_kill_to_commit_s": death,
+        "host_loss_kill_to_commit_s": host,
+        "cpu_us_per_rank_s": through["cpu_us_per_rank_s"],
+        "split_cpu_us_per_rank_s": direct["cpu_us_per_rank_s"],
+        "cpu_over_split": round(cpu_ratio, 3),
+        "targets": AGENT_TARGETS,
+        "met": {
+            "p99": p99 < AGENT_TARGETS["p99_ms_below"],
+            "rank_death": death is not None and death <= 1.0,
+            "host_loss": host is not None and host <= 1.0,
+            "cpu": cpu_ratio <= AGENT_TARGETS["cpu_us_per_rank_s_over_split_at_most"],
+        },
+        "taken_at": {"split": split.get("taken_at"), "agents": agents.get("taken_at")},
+    }
+
+
 def print_table(mode: str, rows: Sequence[dict[str, Any]], header: bool = True) -> None:
     extra = "gen lag99 gen cpu" if mode != "inprocess" else "  coord share"
     if header:
@@ -196,6 +260,9 @@ def print_table(mode: str, rows: Sequence[dict[str, Any]], header: bool = True) 
             f" {'p99 ms':>7} {'max ms':>8} {'timer p99':>9} {'cpu us/msg':>10} {extra} ok"
         )
     for r in rows:
+        if "error" in r:
+            print(f"[{mode}] {r['ranks']:>6} not measured: {r['error']}", flush=True)
+            continue
         lat, timer = r["latency"], r["timer_lateness"]
         if mode != "inprocess":
             tail = f"{r['generator_lag_p99_ms']:>9.1f} {r['generator_cpu_share_of_wall']:>7.2f}"

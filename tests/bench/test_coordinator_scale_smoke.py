@@ -299,3 +299,17 @@ def test_the_agents_layout_carries_every_rank_through_its_host(tmp_path: Path) -
     lost = row["host_loss"]
     assert lost["committed"] and (lost["killed_node"], lost["ranks_lost"]) == (1, 4)
     assert lost["members_after"] == 11 and lost["kill_to_all_dead_s"] is not None
+
+
+def test_a_count_that_could_not_warm_up_is_a_row_saying_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bench = load_bench("report")
+    stuck = RuntimeError("16384 ranks: no warm-up within 448 s (phase joining, 11322 connected)")
+    row = bench.failed_row(16384, ExceptionGroup("nursery", [ExceptionGroup("inner", [stuck])]))
+    assert row["verdict"] == "no_warmup" and not row["meets_target"]
+    assert row["error"] == f"RuntimeError: {stuck}"  # the one error inside the groups
+    bench.print_table("agents", [row], header=False)
+    assert "16384 not measured: RuntimeError: 16384 ranks: no warm-up" in capsys.readouterr().out
+    section = bench.mode_section("agents", [row], 10.0, 0)
+    assert section["max_ranks_meeting_target"] == 0 and section["cpu_us_per_message"] is None
