@@ -229,15 +229,19 @@ def _agents_vs_split(
         return None
     cpu_ratio = through["cpu_us_per_rank_s"] / direct["cpu_us_per_rank_s"]
     p99 = max(through["latency"]["p99_ms"], through["timer_lateness"]["p99_ms"])
-    death = (through.get("membership_change") or {}).get("kill_to_commit_wall_s")
-    host = (through.get("host_loss") or {}).get("kill_to_commit_wall_s")
+    # "Decided" as the split mode's membership change: the machine's time from the death
+    # detected to the regroup committed (the wall time from the kill is reported beside it).
+    changed, lost = through.get("membership_change") or {}, through.get("host_loss") or {}
+    death, host = changed.get("decision_s"), lost.get("decision_s")
     return {
         "ranks": TARGET_RANKS,
         "layout": through.get("layout"),
         "p99_ms": p99,
         "split_p99_ms": max(direct["latency"]["p99_ms"], direct["timer_lateness"]["p99_ms"]),
-        "rank_death_kill_to_commit_s": death,
-        "host_loss_kill_to_commit_s": host,
+        "rank_death_decision_s": death,
+        "rank_death_kill_to_commit_s": changed.get("kill_to_commit_wall_s"),
+        "host_loss_decision_s": host,
+        "host_loss_kill_to_commit_s": lost.get("kill_to_commit_wall_s"),
         "cpu_us_per_rank_s": through["cpu_us_per_rank_s"],
         "split_cpu_us_per_rank_s": direct["cpu_us_per_rank_s"],
         "cpu_over_split": round(cpu_ratio, 3),
