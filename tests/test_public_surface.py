@@ -273,6 +273,7 @@ CLI_FLAGS = {
         "--restarts",
         "--run-dir",
         "--show-ranks",
+        "--strict",
         "-h",
     ],
     "coordinator": [
@@ -303,6 +304,7 @@ CLI_FLAGS = {
         "--run-dir",
         "--seed",
         "--stall-ceiling",
+        "--strict",
         "--window-cap-epochs",
         "--window-cap-s",
         "--world-size",
@@ -344,6 +346,7 @@ CLI_FLAGS = {
         "--seed",
         "--show-ranks",
         "--stall-ceiling",
+        "--strict",
         "--transport",
         "--window-cap-epochs",
         "--window-cap-s",

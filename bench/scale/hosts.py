@@ -23,8 +23,6 @@ from collections.abc import Sequence
 
 import trio
 
-from flodl.transports import connect
-from flodl.transports.socket_stream import SocketStream
 from flodl.wire.codec import FrameDecoder, FrameEncoder
 from flodl.wire.handshake import (
     SERVER_HELLO_SIZE,
@@ -45,7 +43,7 @@ from flodl.wire.messages import (
     TunnelUp,
 )
 
-from .sockets import WireGenerator, WireRank
+from .sockets import WireGenerator, WireRank, open_handshaken
 
 KILLED_RETURNCODE = -9
 """What a rank killed by the bench exits with, as the agent reports it (SIGKILL)."""
@@ -197,23 +195,14 @@ async def open_wire_host(
 ) -> tuple[socket.socket, FrameEncoder, FrameDecoder]:
     """Connect node ``node_rank``'s agent, complete its handshake and say AgentJoin; its socket
     (non-blocking, AssignRanks still to come) and its channel's framing both ways."""
-    stream = await connect(url)
+    hello = make_client_hello(key, node_rank, 0, agent=True)
+    stream, keys = await open_handshaken(url, *hello)
+    encoder = FrameEncoder(keys.to_coordinator)
     try:
-        hello, state = make_client_hello(key, node_rank, 0, agent=True)
-        await stream.send_all(hello)
-        reply = b""
-        while len(reply) < SERVER_HELLO_SIZE:
-            data = await stream.receive_some(SERVER_HELLO_SIZE - len(reply))
-            if not data:
-                raise RuntimeError(f"node {node_rank}: the coordinator hung up in the handshake")
-            reply += data
-        keys = check_server_hello(reply, state)
-        encoder = FrameEncoder(keys.to_coordinator)
         await stream.send_all(encoder.encode(AgentJoin(node_rank, per_host, "bench")))
     except BaseException:
         await trio.aclose_forcefully(stream)
         raise
-    assert isinstance(stream, SocketStream)
     decoder = FrameDecoder(keys.to_rank, allowed_tags=TO_AGENT_TAGS)
     return stream.socket, encoder, decoder
 

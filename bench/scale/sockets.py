@@ -26,6 +26,7 @@ from flodl.transports.socket_stream import SocketStream
 from flodl.wire.codec import FrameDecoder, FrameEncoder
 from flodl.wire.handshake import (
     SERVER_HELLO_SIZE,
+    ClientState,
     SessionKeys,
     check_server_hello,
     make_client_hello,
@@ -243,19 +244,27 @@ async def open_wire_rank(
     url: str, key: bytes, rank: int, world_size: int
 ) -> tuple[socket.socket, SessionKeys]:
     """Connect and complete the handshake for ``rank``; its socket (non-blocking) and keys."""
+    stream, keys = await open_handshaken(url, *make_client_hello(key, rank, world_size))
+    return stream.socket, keys
+
+
+async def open_handshaken(
+    url: str, hello: bytes, state: ClientState
+) -> tuple[SocketStream, SessionKeys]:
+    """Connect, send ``hello`` and check the coordinator's reply: the stream and the session's
+    keys (the stream is closed on failure)."""
     stream = await connect(url)
     try:
-        hello, state = make_client_hello(key, rank, world_size)
         await stream.send_all(hello)
         reply = b""
         while len(reply) < SERVER_HELLO_SIZE:
             data = await stream.receive_some(SERVER_HELLO_SIZE - len(reply))
             if not data:
-                raise RuntimeError(f"rank {rank}: the coordinator hung up during the handshake")
+                raise RuntimeError("the coordinator hung up during the handshake")
             reply += data
         keys = check_server_hello(reply, state)
     except BaseException:
         await trio.aclose_forcefully(stream)
         raise
     assert isinstance(stream, SocketStream)
-    return stream.socket, keys
+    return stream, keys

@@ -17,7 +17,6 @@ coordinator sees them go and the ranks on other hosts re-form without them.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import attrs
@@ -30,7 +29,7 @@ from flodl.host.console import say
 from flodl.host.environment import RankEnv, rank_process_environment, write_session_key
 from flodl.host.torchrun_env import TorchrunLayout
 from flodl.supervise.exits import exit_text
-from flodl.supervise.ranks import RestartBudget, Supervision
+from flodl.supervise.ranks import RestartBudget, Supervision, open_rank_process
 from flodl.transports.reach import host_of
 
 __all__ = ["AgentResult", "agent_rank_environment", "run_agent"]
@@ -151,14 +150,7 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
             restart_count,
             link.tunnels.url,
         )
-        return await trio.lowlevel.open_process(
-            [config.python, config.script, *config.script_args],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # out of the terminal's process group: signals are ours
-        )
+        return await open_rank_process([config.python, config.script, *config.script_args], env)
 
     host = HostRanks(
         assignment.ranks,

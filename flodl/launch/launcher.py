@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from flodl.launch.summary import SUMMARY_NAME, build_summary
 from flodl.observe.events import EVENTS_NAME
 from flodl.observe.hub import open_observer
 from flodl.observe.views import run_views
-from flodl.supervise.ranks import Supervision
+from flodl.supervise.ranks import Supervision, open_rank_process
 
 
 def rank_environment(
@@ -150,15 +149,7 @@ async def _launch(
                 resume=None if plan is None else plan.bundle,
                 restart_count=restart_count,
             )
-            return await trio.lowlevel.open_process(
-                [config.python, config.script, *config.script_args],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                # Out of the terminal's process group: Ctrl-C is the launcher's to handle.
-                start_new_session=True,
-            )
+            return await open_rank_process([config.python, config.script, *config.script_args], env)
 
         # The host's ranks, run by the node agent's own code with the coordinator in this
         # process as its link: one supervision for one host and for many.

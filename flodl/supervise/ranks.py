@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ __all__ = [
     "kill_rank_groups",
     "kill_ranks",
     "let_ranks_exit",
+    "open_rank_process",
     "supervise_rank",
 ]
 
@@ -95,6 +97,20 @@ class Supervision:
 
     def echoes(self, rank: int) -> bool:
         return self.echo and (self.show_ranks is None or rank in self.show_ranks)
+
+
+async def open_rank_process(argv: Sequence[str], env: dict[str, str]) -> trio.Process:
+    """Start a rank's process: in a session of its own (out of the terminal's process group:
+    the signals a terminal sends are the supervisor's to handle), its output piped for
+    :func:`relay_output`, no input."""
+    return await trio.lowlevel.open_process(
+        list(argv),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 async def relay_output(rank: int, stream: trio.abc.ReceiveStream, echo: bool, log: Path) -> None:

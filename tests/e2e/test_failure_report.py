@@ -123,24 +123,31 @@ def test_a_rank_killed_by_sigkill_is_named_by_its_signal(tmp_path: Path) -> None
     script = _script(tmp_path, RAISES.replace("i == 5", "i == -1"))  # nobody raises
     argv = [*FLODL, "run", "--nproc", "2", "--run-dir", str(run_dir), str(script)]
     launcher = _start(argv, SAY_PID="1")
-    assert launcher.stdout is not None
-    lines = []
-    for line in launcher.stdout:
-        lines.append(line)
-        if found := re.search(r"\[rank 1\] pid (\d+)", line):
-            os.kill(int(found.group(1)), signal.SIGKILL)
-            break
-    output = "".join(lines) + launcher.communicate()[0]
+    output, pid = _kill_rank_1_once_it_trains(launcher)
     summary = _summary(run_dir)
-    assert found, output
+    assert pid, output
     assert launcher.returncode == 1, output
     cause = summary["root_cause"]
-    assert (cause["rank"], cause["pid"]) == (1, int(found.group(1))), cause
+    assert (cause["rank"], cause["pid"]) == (1, pid), cause
     assert (cause["kind"], cause["signal"], cause["exit_code"]) == ("killed", "SIGKILL", None)
     assert not cause["killed_by_launcher"]
     assert summary["ranks"][1]["signal"] == "SIGKILL"
     assert "exit:  signal SIGKILL" in output
     assert_no_process_left([launcher.pid] + [r["pid"] for r in summary["ranks"]])
+
+
+def _kill_rank_1_once_it_trains(launcher: subprocess.Popen[str]) -> tuple[str, int | None]:
+    """SIGKILL rank 1 once it says its pid (a few batches in, SAY_PID); the launcher's whole
+    output once it exited, and the pid killed (None: rank 1 never said it)."""
+    assert launcher.stdout is not None
+    lines, pid = [], None
+    for line in launcher.stdout:
+        lines.append(line)
+        if found := re.search(r"\[rank 1\] pid (\d+)", line):
+            pid = int(found.group(1))
+            os.kill(pid, signal.SIGKILL)
+            break
+    return "".join(lines) + launcher.communicate()[0], pid
 
 
 def _s(tmp_path: Path) -> str:
@@ -196,15 +203,8 @@ def test_a_run_that_lost_a_rank_and_completed_exits_0_unless_strict(
     flags = ["--strict"] if strict else []
     argv = [*FLODL, "run", "--nproc", "3", "--run-dir", str(run_dir), *flags, str(script)]
     launcher = _start(argv, SAY_PID="1")
-    assert launcher.stdout is not None
-    lines = []
-    for line in launcher.stdout:
-        lines.append(line)
-        if found := re.search(r"\[rank 1\] pid (\d+)", line):
-            os.kill(int(found.group(1)), signal.SIGKILL)
-            break
-    output = "".join(lines) + launcher.communicate()[0]
-    assert found, output
+    output, pid = _kill_rank_1_once_it_trains(launcher)
+    assert pid, output
     summary = _summary(run_dir)
     assert summary["status"] == "completed", output
     assert launcher.returncode == (1 if strict else 0), output
