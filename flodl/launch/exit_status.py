@@ -6,10 +6,10 @@ first line say who was lost and why. ``--strict`` makes any lost rank a failure 
 those who want to hear of every death from the status.
 
 "Did its work": the run completed, or a stop asked for (a signal, a rank's ``stop``) ended it
-with a save. A rank is *lost* when the run declared it dead at some point (``deaths``), even if
-a restart brought it back; the non-strict rule also needs every rank still in the run at its
-end (not lost, or rejoined) to have exited 0, since a rank that failed after the last round
-loses its report.
+with a save. A rank is *lost* when the run ended without it (declared dead and not rejoined:
+``lost_ranks``); the rule also needs every rank still in the run at its end to have exited 0,
+since a rank that failed after the last round loses its report. ``--strict`` fails a run on any
+death (``deaths``), even one a restart recovered from.
 """
 
 from __future__ import annotations
