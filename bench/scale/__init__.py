@@ -4,8 +4,9 @@ Run from the repository root: ``python -m bench.scale`` (``--help`` for the opti
 bench/results/coordinator.json and prints a short table. The parts: :mod:`.record` (what is
 measured, and the probe that times the coordinator's machine), :mod:`.stamps` (send times
 across processes), :mod:`.ranks` (the simulated ranks), :mod:`.sockets` and :mod:`.generator`
-(the split mode's load generators), :mod:`.modes` (the measurements), :mod:`.report` (rows,
-targets, JSON) and :mod:`.__main__` (the command line).
+(the split mode's load generators), :mod:`.hosts` (the agents layout: the generator's ranks
+behind simulated node agents, one connection per host), :mod:`.modes` (the measurements),
+:mod:`.report` (rows, targets, JSON) and :mod:`.__main__` (the command line).
 
 Setup (one trio process, one thread, real clock): a real coordinator
 (:func:`flodl.coordinator.open_coordinator` on a fresh ``memory://`` name, default
