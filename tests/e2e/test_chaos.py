@@ -298,7 +298,9 @@ async def test_two_ranks_killed_at_once(tmp_path: Path) -> None:
     assert_deaths(run, {1: "disconnected", 3: "disconnected"})
     first, second = run.fault(1), run.fault(3)
     assert abs(first["unix"] - second["unix"]) < 0.5
-    assert first["generation"] == second["generation"]
+    # Each records the generation it held when it died: the first death may re-form the group
+    # before the other rank started its next batch, which it then starts in the new one.
+    assert abs(first["generation"] - second["generation"]) <= 1
     # Both died after the same 4 rounds, which the survivors completed too (the 4th may have
     # landed on one survivor only and been redone: assert_identical_after_every_round).
     assert run.recorded(1) == run.recorded(3)
