@@ -174,8 +174,13 @@ def test_one_agent_per_host_restarts_a_far_rank_and_a_far_agent_takes_its_ranks(
         agent_a, agent_b, coord = procs
         read_until(agent_b, "rank 3: epoch 1 started")
         victim = max(children_of(agent_b.pid))  # one of B's two ranks
+        environ = Path(f"/proc/{victim}/environ").read_bytes().split(b"\0")
+        (victim_rank,) = [int(v.removeprefix(b"RANK=")) for v in environ if v.startswith(b"RANK=")]
         os.kill(victim, signal.SIGKILL)
-        read_until(agent_b, "rank 3: epoch")  # B's ranks train on with the restarted one
+        # Its agent reaps it, starts it again, and the new process rejoins the running group
+        # and trains (so that it has a bundle to save when its agent dies below).
+        read_until(coord, f"rank {victim_rank} rejoined")
+        read_until(agent_b, f"rank {victim_rank}: epoch")
         read_until(agent_b, "epoch")
         orphans = children_of(agent_b.pid)
         assert len(orphans) == 2 and victim not in orphans
