@@ -52,11 +52,11 @@ def describe_losses(summary: dict[str, Any], world_size: int) -> None:
     and when, from what the supervisor or an agent saw of its process (``signal``, ``error``,
     ``exit_code`` of its row or death) or else how the coordinator lost it; and
     ``ranks_at_end``, the ranks the run ended with."""
-    gone = sorted(set(summary.get("lost_ranks") or ()))
+    gone = set(summary.get("lost_ranks") or ())
     rows = {r["rank"]: r for r in summary.get("ranks", ())}
     last_death = {d["rank"]: d for d in summary.get("deaths", ())}
     lost = []
-    for rank in gone:
+    for rank in sorted(gone):
         death = last_death.get(rank, {})
         row = rows.get(rank, {})
         when = death.get("detected_unix")
@@ -69,7 +69,7 @@ def describe_losses(summary: dict[str, Any], world_size: int) -> None:
             }
         )
     summary["lost"] = lost
-    summary["ranks_at_end"] = [rank for rank in range(world_size) if rank not in set(gone)]
+    summary["ranks_at_end"] = [rank for rank in range(world_size) if rank not in gone]
 
 
 def lost_line(summary: Mapping[str, Any], world_size: int) -> str:
