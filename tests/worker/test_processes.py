@@ -149,7 +149,7 @@ async def test_survivors_of_a_sigkilled_rank_reform_and_finish(tmp_path: Path) -
     async with open_coordinator("tcp://127.0.0.1:0", 3, key, config, linger=20) as coord:
         ranks = [
             (
-                digits_command("--epochs", "3"),
+                digits_command("--epochs", "6"),
                 rank_env(r, 3, coord.url, key, run_dir),
                 None if r == 2 else run_dir / f"rank{r}.log",
             )
@@ -175,5 +175,7 @@ async def test_survivors_of_a_sigkilled_rank_reform_and_finish(tmp_path: Path) -
     assert hashes_by_round(survivors[0]) == hashes_by_round(survivors[1])
     for data in survivors:
         assert data["exit_reason"] == "completed"
+        # 6 epochs: 0.95-0.98 in six runs here; after 3, unkilled runs drew 0.90-0.96 and a
+        # loaded CI run 0.866, the model still learning fast.
         assert data["final_metrics"]["test_accuracy"] >= 0.9
     assert not (run_dir / "rank2.json").exists()  # SIGKILL: no report, no goodbye
