@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import trio
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
@@ -130,6 +130,11 @@ class _LiveCollector(Collector):
         yield up
         yield step_age
         yield from _run_gauges(state)
+        yield GaugeMetricFamily(
+            "flodl_coordinator_tasks",
+            "Trio tasks alive in the coordinator's process (flat in a healthy long run)",
+            value=float(trio.lowlevel.current_statistics().tasks_living),
+        )
 
 
 def _run_gauges(state: Mapping[str, Any]) -> Iterator[Metric]:
@@ -184,6 +189,8 @@ class RunMetrics:
         )
         self.steps = StepClock(observer.coordinator.record)
         reg.register(_LiveCollector(observer, self.steps))
+        # process_open_fds, process_resident_memory_bytes, ...: the coordinator's own process
+        ProcessCollector(registry=reg)
         for record in observer.history:
             self.take(record)
         observer.on_record(self.take)

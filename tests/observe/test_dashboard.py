@@ -202,6 +202,11 @@ async def test_metrics_parse_and_cover_the_run(tmp_path: Path) -> None:
     ]
     assert count == rounds
     assert found["flodl_round"].samples[0].value >= 1
+    # The coordinator's own process: its trio tasks (the dashboard's and the cluster's among
+    # them) and what prometheus-client's process collector reads from /proc.
+    assert found["flodl_coordinator_tasks"].samples[0].value >= 2
+    assert found["process_open_fds"].samples[0].value >= 3
+    assert found["process_resident_memory_bytes"].samples[0].value > 10e6
 
 
 async def test_a_death_is_counted_with_its_recovery(tmp_path: Path) -> None:
