@@ -7,28 +7,18 @@ newest bundles; ``--resume`` of the run finds the final bundle.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
 from flodl.checkpoint import find_latest, load_bundle
 from flodl.checkpoint.resume import plan_resume
-from tests.worker.procs import DIGITS
-
-
-def digits_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("digits_example", DIGITS)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.worker.procs import DIGITS, digits_module
 
 
 def _alive(pid: int) -> bool:

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import ModuleType
 
 import trio
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits.py"
+
+
+def digits_module() -> ModuleType:
+    """``examples/digits.py`` imported (its data, model and accuracy, to check a bundle)."""
+    spec = importlib.util.spec_from_file_location("digits_example", DIGITS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def rank_env(
