@@ -19,8 +19,8 @@ the run's end); ``recovery_s`` is the time from the fault to that round; a fault
 within ``--hang-s`` is a hang. Before each fault, with every rank training, the bench reads
 the coordinator's open file descriptors, trio tasks and memory from its /metrics, and each
 rank's resident memory, and once more after the last fault: ``fd_growth`` and ``tasks_growth``
-are the floor of the last three readings minus that of the first three (so a connection or
-task that comes and goes is not counted), the memory growths the last reading minus the first
+are the floor of the last third of the readings minus that of the first third (so a
+connection or task that comes and goes is not counted), the memory growths the last reading minus the first
 (per rank id, across its restarts). At the end it checks the run
 completed with the accuracy target, and that no process it or the run started is left.
 
@@ -289,12 +289,13 @@ class Soak:
         lost = [f.samples_lost for f in self.faults if f.samples_lost is not None]
 
         def growth(key: str, scale: float = 1.0) -> float | None:
-            """The floor of the last three readings minus that of the first three: a task or
-            socket that comes and goes is not growth, one that stays is."""
+            """The floor of the last third of the readings minus that of the first third: a
+            task or socket that comes and goes is not growth, one that stays is."""
             values = [r.coordinator[key] for r in self.readings if key in r.coordinator]
             if not values:
                 return None
-            return round((min(values[-3:]) - min(values[:3])) / scale, 3)
+            third = max(len(values) // 3, 1)
+            return round((min(values[-third:]) - min(values[:third])) / scale, 3)
 
         rank_growth = {}
         for rank in range(self.args.nproc):
