@@ -16,13 +16,13 @@ order shuffled once per cycle of five:
 
 Every fault must be followed by the rank declared dead and a round that settles after it (or
 the run's end); ``recovery_s`` is the time from the fault to that round; a fault with neither
-within ``--hang-s`` is a hang. Before each fault, with every rank training, the bench reads
-the coordinator's open file descriptors, trio tasks and memory from its /metrics, and each
-rank's resident memory, and once more after the last fault: ``fd_growth`` and ``tasks_growth``
-are the floor of the last third of the readings minus that of the first third (so a
-connection or task that comes and goes is not counted), the memory growths the last reading minus the first
-(per rank id, across its restarts). At the end it checks the run
-completed with the accuracy target, and that no process it or the run started is left.
+within ``--hang-s`` is a hang. Before each fault, with every rank training, and once more after
+the last one, the bench reads the coordinator's open file descriptors, trio tasks and memory
+from its /metrics, and each rank's resident memory. ``fd_growth`` and ``tasks_growth`` are the
+floor of the last third of the readings minus that of the first third (a connection or task
+that comes and goes is not growth, one that stays is); the memory growths are the last reading
+minus the first (per rank id, across its restarts). At the end it checks the run completed
+with the accuracy target, and that no process it or the run started is left.
 
 ``--duration 600`` (the default) is the 10-minute soak; the test suite runs a short one. The
 run's folder (``--run-dir``) has the launcher's log and pid beside it.
