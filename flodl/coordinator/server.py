@@ -195,7 +195,7 @@ class Coordinator:
         the machine hears of it at once (no heartbeat wait). Returns what a person should hear
         of it (the run going on without a rank that died before joining)."""
         timeline, now = self._machine.timeline, trio.current_time()
-        before = len(timeline)
+        before = timeline.added
         effects = self._probing.call(
             "exit_reported",
             exit.rank,
@@ -207,7 +207,7 @@ class Coordinator:
         self._perform(effects)
         return [
             f"{event.detail['why']}; the run goes on with ranks {event.detail['ranks']}"
-            for event in list(timeline)[before:]
+            for _, event in timeline.since(before)
             if event.kind is EventKind.GOING_ON_WITHOUT
         ]
 

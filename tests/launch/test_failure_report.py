@@ -263,6 +263,26 @@ class FakeRecord:
         return frozenset(int(e.detail["rank"]) for e in self.timeline.of_kind(EventKind.RANK_DEAD))
 
 
+def test_a_coordinator_summary_of_a_long_run_still_has_its_first_deaths(tmp_path: Path) -> None:
+    record = FakeRecord(
+        Outcome(Status.COMPLETED, None, "all epochs done"), timeline=Timeline(max_events=10)
+    )
+    record.timeline.add(5.0, EventKind.RANK_DEAD, rank=2, cause="disconnected", why="closed")
+    for step in range(1000):  # days of rounds later
+        record.timeline.add(6.0 + step, EventKind.SYNC_END, round=step)
+    summary = coordinator_summary(
+        record,  # type: ignore[arg-type]
+        StopSignals(),
+        (1000.0, 0.0),
+        world_size=3,
+        policy="cadence",
+        run_dir=tmp_path,
+        exits=[],
+    )
+    assert [(d["rank"], d["detected_unix"]) for d in summary["deaths"]] == [(2, 1005.0)]
+    assert summary["lost_ranks"] == [2]
+
+
 def test_an_agents_report_names_the_coordinators_root_cause_as_flodl_run_would(
     tmp_path: Path,
 ) -> None:

@@ -176,6 +176,34 @@ def test_sequence_numbers_survive_dropping_old_events() -> None:
     assert timeline.since(5) == []
 
 
+def test_a_long_run_keeps_its_start_and_its_deaths_with_their_recoveries() -> None:
+    """Past the bound, round events go; the start, each death and the round after each stay."""
+    from flodl.core.coordinator.timeline import Timeline
+
+    timeline = Timeline(max_events=4)
+    timeline.add(0.0, EventKind.TRAINING_STARTED, members=[0, 1, 2])
+    timeline.add(1.0, EventKind.SYNC_END, round=1)
+    timeline.add(2.0, EventKind.RANK_DEAD, rank=2)
+    timeline.add(2.1, EventKind.GROUP_REFORMED, members=[0, 1])
+    timeline.add(2.2, EventKind.SYNC_START, round=2)
+    timeline.add(2.5, EventKind.SYNC_END, round=2)  # the death's recovery
+    for step in range(3, 50):
+        timeline.add(float(step), EventKind.SYNC_START, round=step)
+        timeline.add(step + 0.5, EventKind.SYNC_END, round=step)
+    assert timeline.added == 100 and timeline.dropped == 96
+    kinds = [e.kind for e in timeline]
+    assert kinds[:5] == [
+        EventKind.TRAINING_STARTED,
+        EventKind.SYNC_END,
+        EventKind.RANK_DEAD,
+        EventKind.GROUP_REFORMED,
+        EventKind.SYNC_END,
+    ]
+    assert [e.time for e in timeline.of_kind(EventKind.SYNC_END)] == [1.0, 2.5, 48.5, 49.5]
+    assert len(timeline) == 9
+    assert [seq for seq, _ in timeline.since(0)] == [96, 97, 98, 99]  # the stream: recent only
+
+
 async def test_a_sink_added_late_gets_the_events_so_far_then_each_new_one(
     autojump_clock: MockClock,
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,17 +47,42 @@ class TimelineEvent:
         return {"time": self.time, "kind": self.kind.value, **self.detail}
 
 
+LASTING_KINDS = frozenset(
+    {
+        EventKind.TRAINING_STARTED,
+        EventKind.RANK_JOINED,
+        EventKind.RANK_DEAD,
+        EventKind.GROUP_REFORMED,
+        EventKind.SAVE_REQUESTED,
+        EventKind.SHUTDOWN,
+        EventKind.GOING_ON_WITHOUT,
+        EventKind.STOP_REQUESTED,
+    }
+)
+"""Kinds the timeline keeps for the whole run, however many events it drops: a few per fault,
+join or stop, and what a run's summary is built from (its start, its deaths and their
+recoveries, its saves)."""
+
+
 class Timeline:
-    """An append-only list of events with a bound on how many are kept (oldest dropped).
+    """An append-only list of events with a bound on how many are kept.
 
     Every event ever added has a sequence number, its position in the run's history
     (0, 1, ...), which stays valid after older events were dropped: :meth:`since` reads
-    on from one.
+    on from one. Past ``max_events`` the oldest events are dropped, except the events of
+    :data:`LASTING_KINDS` and the first ``SyncEnd`` after each (a death's recovery): those
+    stay for the whole run, so a summary of a run of days still has its start and every death.
+    Iterating (and :meth:`of_kind`) gives the kept old events, then the recent ones.
     """
 
     def __init__(self, max_events: int = 100_000) -> None:
         self._events: list[TimelineEvent] = []
+        self._lasting: list[bool] = []
+        """Parallel to ``_events``: whether the event outlives the bound."""
+        self._kept: list[TimelineEvent] = []
+        """Lasting events that fell out of ``_events``, oldest first."""
         self._max = max_events
+        self._after_lasting = False
         self.dropped = 0
 
     @property
@@ -66,10 +92,19 @@ class Timeline:
 
     def add(self, time: float, kind: EventKind, **detail: Any) -> TimelineEvent:
         event = TimelineEvent(time, kind, detail)
+        lasting = kind in LASTING_KINDS
         self._events.append(event)
+        self._lasting.append(lasting or (kind is EventKind.SYNC_END and self._after_lasting))
+        if lasting:
+            self._after_lasting = True
+        elif kind is EventKind.SYNC_END:
+            self._after_lasting = False
         if len(self._events) > self._max:
             excess = len(self._events) - self._max
+            old = zip(self._events[:excess], self._lasting[:excess], strict=True)
+            self._kept.extend(event for event, keep in old if keep)
             del self._events[:excess]
+            del self._lasting[:excess]
             self.dropped += excess
         return event
 
@@ -80,10 +115,10 @@ class Timeline:
         return [(self.dropped + i, e) for i, e in enumerate(self._events[start:], start)]
 
     def __iter__(self) -> Iterator[TimelineEvent]:
-        return iter(self._events)
+        return itertools.chain(self._kept, self._events)
 
     def __len__(self) -> int:
-        return len(self._events)
+        return len(self._kept) + len(self._events)
 
     def of_kind(self, kind: EventKind) -> list[TimelineEvent]:
-        return [e for e in self._events if e.kind is kind]
+        return [e for e in self if e.kind is kind]
