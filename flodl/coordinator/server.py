@@ -381,7 +381,9 @@ class Coordinator:
         await self._links.wait_all_closed()
 
     def on_rank_error(self, rank: int | None, error: BaseException) -> None:
-        log.warning("rank %s disconnected: %s: %s", rank, type(error).__name__, error)
+        # rank None: a node agent's link, or a peer that failed before its hello named a rank.
+        who = f"rank {rank}" if rank is not None else "a peer holding no rank (agent or handshake)"
+        log.warning("%s disconnected: %s: %s", who, type(error).__name__, error)
         self.rank_errors.append((rank, error))
 
     # --- effects --------------------------------------------------------------------------
