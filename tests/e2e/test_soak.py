@@ -4,8 +4,8 @@ Real processes throughout: ``flodl run`` of 4 ranks with restarts, faults by sig
 SIGSTOP then SIGCONT) and by the soak rank's traps (killed inside ``join_group`` during a
 re-formation, killed with a bundle half written). Checks what must hold after any number of
 faults, never how fast: each fault was followed by the rank's death and a settled round, the
-run completed with a trained model, nothing was left running, and the coordinator holds no
-more file descriptors or tasks than before the faults.
+run completed with a trained model, nothing was left running, and the coordinator's file
+descriptors and tasks did not grow with the faults.
 """
 
 from __future__ import annotations
@@ -71,5 +71,9 @@ def test_a_short_soak_survives_every_fault(tmp_path: Path) -> None:
     assert run["restarts"] >= result["faults_injected"], run
     assert result["leftover_processes"] == []
     assert not any(pid_alive(f["pid"]) for f in faults)
-    assert result["fd_growth"] == 0 and result["tasks_growth"] == 0, result["readings"]
+    # Nothing that stays open grows. The coordinator's task count moves between two values
+    # from one reading to the next (35 and 36 in the 10-minute run), so with this short run's
+    # handful of readings one task either way is that; a leak of one per fault would be 4+.
+    assert result["fd_growth"] <= 0, result["readings"]
+    assert result["tasks_growth"] <= 1, result["readings"]
     assert result["rss_growth_mb"] < 50, result["rss_growth_mb_by_rank"]

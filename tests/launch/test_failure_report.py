@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +264,21 @@ class FakeRecord:
         return frozenset(int(e.detail["rank"]) for e in self.timeline.of_kind(EventKind.RANK_DEAD))
 
 
+def _coordinator_summary(
+    record: FakeRecord, run_dir: Path, exits: Sequence[RankExited] = ()
+) -> dict[str, Any]:
+    """``flodl coordinator``'s summary of ``record`` for 3 ranks; unix 1000 is trio time 0."""
+    return coordinator_summary(
+        record,  # type: ignore[arg-type]
+        StopSignals(),
+        (1000.0, 0.0),
+        world_size=3,
+        policy="cadence",
+        run_dir=run_dir,
+        exits=exits,
+    )
+
+
 def test_a_coordinator_summary_of_a_long_run_still_has_its_first_deaths(tmp_path: Path) -> None:
     record = FakeRecord(
         Outcome(Status.COMPLETED, None, "all epochs done"), timeline=Timeline(max_events=10)
@@ -270,15 +286,7 @@ def test_a_coordinator_summary_of_a_long_run_still_has_its_first_deaths(tmp_path
     record.timeline.add(5.0, EventKind.RANK_DEAD, rank=2, cause="disconnected", why="closed")
     for step in range(1000):  # days of rounds later
         record.timeline.add(6.0 + step, EventKind.SYNC_END, round=step)
-    summary = coordinator_summary(
-        record,  # type: ignore[arg-type]
-        StopSignals(),
-        (1000.0, 0.0),
-        world_size=3,
-        policy="cadence",
-        run_dir=tmp_path,
-        exits=[],
-    )
+    summary = _coordinator_summary(record, tmp_path)
     assert [(d["rank"], d["detected_unix"]) for d in summary["deaths"]] == [(2, 1005.0)]
     assert summary["lost_ranks"] == [2]
 
@@ -296,16 +304,7 @@ def test_an_agents_report_names_the_coordinators_root_cause_as_flodl_run_would(
         RankExited(2, 502, 1, 1004.9, False, RAISED),
         RankExited(2, 999, 1, 1200.0, False, RAISED),  # much later: explains nothing here
     ]
-    clocks = (1000.0, 0.0)  # unix 1000 is trio time 0
-    summary = coordinator_summary(
-        record,  # type: ignore[arg-type]
-        StopSignals(),
-        clocks,
-        world_size=3,
-        policy="cadence",
-        run_dir=tmp_path,
-        exits=exits,
-    )
+    summary = _coordinator_summary(record, tmp_path, exits)
     two, one = summary["deaths"]
     assert (two["pid"], two["exit_code"], two["signal"]) == (502, 1, None)
     assert two["error"] == "ValueError: bad batch 5"
@@ -327,13 +326,6 @@ def test_an_agents_report_names_the_coordinators_root_cause_as_flodl_run_would(
 def test_without_agents_the_coordinator_names_the_first_rank_it_lost(tmp_path: Path) -> None:
     record = FakeRecord(Outcome(Status.SAVED, SaveReason.SINGLE_SURVIVOR, "too few ranks"))
     record.timeline.add(5.0, EventKind.RANK_DEAD, rank=2, cause="silent", why="no heartbeat")
-    summary = coordinator_summary(
-        record,  # type: ignore[arg-type]
-        StopSignals(),
-        (1000.0, 0.0),
-        world_size=3,
-        policy="cadence",
-        run_dir=tmp_path,
-    )
+    summary = _coordinator_summary(record, tmp_path)
     assert "pid" not in summary["deaths"][0]
     assert summary["root_cause"]["kind"] == "lost" and summary["root_cause"]["cause"] == "silent"
