@@ -60,7 +60,7 @@ def test_coordinator_and_two_workers_train_digits(tmp_path: Path) -> None:
                         str(tmp_path / f"host{rank}"),
                         str(DIGITS),
                         "--epochs",
-                        "2",
+                        "5",  # after 2, a loaded run drew 0.8496 against the 0.85 floor
                     ],
                     env=env,
                     stdout=subprocess.PIPE,

@@ -90,7 +90,8 @@ async def test_cadence_three_unequal_ranks_reach_93_percent(
 async def test_sync_and_async_runs_complete(
     policy: Policy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    summary, reports = await run_digits(tmp_path, monkeypatch, policy, 2, "--epochs", "2")
+    # 4 epochs: after 2 the model is still learning fast, a few points from the 0.8 floor.
+    summary, reports = await run_digits(tmp_path, monkeypatch, policy, 2, "--epochs", "4")
     for data in reports:
         assert data["syncs"] >= 1
         assert data["final_metrics"]["test_accuracy"] >= 0.8
