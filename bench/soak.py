@@ -283,7 +283,10 @@ class Soak:
         self.settle()
         summary_path = self.run_dir / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        accuracy = (summary.get("final_metrics") or {}).get("test_accuracy")
+        # One value when every rank ended with the same model, else each rank's.
+        reported = (summary.get("final_metrics") or {}).get("test_accuracy")
+        accuracies = reported if isinstance(reported, list) else [reported]
+        accuracy = min((a for a in accuracies if a is not None), default=None)
         survived = [f for f in self.faults if f.recovery_s is not None]
         recoveries = [f.recovery_s for f in survived if f.recovery_s is not None]
         lost = [f.samples_lost for f in self.faults if f.samples_lost is not None]
@@ -330,6 +333,8 @@ class Soak:
                 "exited_in_time": exited_in_time,
                 "status": summary.get("status"),
                 "test_accuracy": accuracy,
+                "test_accuracies": accuracies,
+                "one_model": len(set(accuracies)) == 1,
                 "accuracy_target": ACCURACY_TARGET,
                 "restarts": sum(r.get("restarts", 0) for r in summary.get("ranks", [])),
                 "deaths": len(summary.get("deaths", [])),
