@@ -225,7 +225,7 @@ class Soak:
                 continue
             self.readings.append(await trio.to_thread.run_sync(self.read_figures))
             if not order:
-                order = list(KINDS)
+                order = list(self.args.kinds)
                 self.random.shuffle(order)
             await self.inject(order.pop())
 
@@ -391,6 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("MIN", "MAX"),
         help="seconds between faults, drawn uniformly (after every rank is back)",
     )
+    parser.add_argument(
+        "--kinds",
+        type=lambda text: [kind for kind in text.split(",") if kind],
+        default=list(KINDS),
+        help=f"the faults to inject, comma-separated (default all: {','.join(KINDS)})",
+    )
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0)
     parser.add_argument("--checkpoint-every", type=int, default=20, help="rounds between saves")
@@ -405,7 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.kinds or set(args.kinds) - set(KINDS):
+        parser.error(f"--kinds takes some of {','.join(KINDS)}, got {','.join(args.kinds)}")
     load_before = benchenv.load()
     with tempfile.TemporaryDirectory(prefix="flodl-soak-") as scratch:
         run_dir = args.run_dir or Path(scratch) / "run"
