@@ -54,6 +54,7 @@ def build_summary(
 
     ranks = []
     final_metrics: dict[str, Any] = {}
+    lost = record.lost_ranks()
     for item in spawned:
         # A report older than this rank's first start is an earlier run's (a run resumed in
         # its own folder); the second of slack covers file times lagging the clock.
@@ -85,9 +86,10 @@ def build_summary(
                 "final_metrics": report.get("final_metrics", {}),
             }
         )
-        if report.get("syncs"):
+        if report.get("syncs") and item.rank not in lost:
             # A rank that never averaged (say, restarted after the run had ended) holds an
-            # untrained model: its metrics say nothing about the run.
+            # untrained model, and one the run lost and never took back trained outside the
+            # group since: their metrics say nothing about the run's model.
             for name, value in (report.get("final_metrics") or {}).items():
                 final_metrics.setdefault(name, []).append(value)
     syncs_end = [e.time for e in record.timeline if e.kind is EventKind.SYNC_END]

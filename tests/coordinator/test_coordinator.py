@@ -25,6 +25,7 @@ from flodl.testing import TEST_KEY, Cluster, RankScript, open_cluster
 from flodl.transports import connect
 from flodl.transports.greeting import connect_rank
 from flodl.wire.messages import (
+    Abort,
     Batch,
     DeclareDead,
     Heartbeat,
@@ -178,6 +179,12 @@ async def test_silent_rank_is_declared_dead_exactly_at_the_timeout(
     assert dead["time"] == pytest.approx(last_seen + 10.0, abs=1e-6)
     assert cluster.coordinator.machine.outcome.status is Status.COMPLETED
     assert all(r.record.count(DeclareDead) == 1 for r in cluster.ranks[:2])
+    # The silent rank still reads: it is let go at once, so that a paused process that wakes
+    # up ends instead of training on outside the group; nothing else reaches it after that.
+    silent = cluster.ranks[2].record
+    assert isinstance(silent.received[-1], Abort), silent.received[-3:]
+    assert "declared dead: silent past the heartbeat timeout" in silent.received[-1].reason
+    assert silent.ended_by is None
 
 
 async def test_dropped_connection_is_dead_at_once_and_survivors_finish(

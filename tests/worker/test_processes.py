@@ -24,7 +24,7 @@ from flodl.config import CoordinatorConfig
 from flodl.coordinator.server import open_coordinator
 from flodl.core.common.policy import Policy
 from flodl.core.coordinator.machine import Status
-from flodl.core.coordinator.timeline import EventKind
+from flodl.core.coordinator.timeline import EventKind, TimelineEvent
 from flodl.launch.config import LaunchConfig
 from flodl.launch.launcher import launch
 from tests.worker.procs import DIGITS, ROOT, digits_command, rank_env, read_until, spawn
@@ -180,3 +180,56 @@ async def test_survivors_of_a_sigkilled_rank_reform_and_finish(tmp_path: Path) -
         # loaded CI run 0.866, the model still learning fast.
         assert data["final_metrics"]["test_accuracy"] >= 0.9
     assert not (run_dir / "rank2.json").exists()  # SIGKILL: no report, no goodbye
+
+
+async def test_a_rank_paused_past_the_timeout_is_let_go_and_ends_when_it_wakes(
+    tmp_path: Path,
+) -> None:
+    key = secrets.token_bytes(32)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = CoordinatorConfig(policy=Policy.CADENCE, heartbeat_timeout=2, heartbeat_interval=0.5)
+    reformed = trio.Event()
+
+    def on_event(seq: int, event: TimelineEvent) -> None:
+        if event.kind is EventKind.GROUP_REFORMED:
+            reformed.set()
+
+    async with open_coordinator("tcp://127.0.0.1:0", 3, key, config, linger=20) as coord:
+        coord.add_event_sink(on_event)
+        ranks = [
+            (
+                digits_command("--epochs", "6"),
+                rank_env(r, 3, coord.url, key, run_dir, heartbeat_timeout=2),
+                None if r == 2 else run_dir / f"rank{r}.log",
+            )
+            for r in range(3)
+        ]
+        async with spawn(ranks) as processes:
+            output = bytearray()
+            with trio.fail_after(60):
+                await read_until(processes[2], b"epoch 1 started", output)
+            processes[2].send_signal(signal.SIGSTOP)  # alive and connected, but silent
+            with trio.fail_after(30):
+                await reformed.wait()  # declared dead, and the others went on without it
+            processes[2].send_signal(signal.SIGCONT)
+            with trio.fail_after(30):
+                await processes[2].wait()  # it wakes up let go: it ends, the run goes on
+            with trio.fail_after(90):
+                outcome = await coord.wait_finished()
+                for process in processes[:2]:
+                    await process.wait()
+            output += await processes[2].stdout.receive_some(1 << 20)  # type: ignore[union-attr]
+    logs = "\n".join((run_dir / f"rank{r}.log").read_text() for r in range(2))
+    assert outcome.status is Status.COMPLETED, (outcome, logs)
+    assert [p.returncode for p in processes] == [0, 0, 1], output.decode(errors="replace")
+    (dead,) = coord.timeline.of_kind(EventKind.RANK_DEAD)
+    assert (dead.detail["rank"], dead.detail["cause"]) == (2, "silent")
+    members = [e.detail["members"] for e in coord.timeline.of_kind(EventKind.GROUP_REFORMED)]
+    assert members == [[0, 1]]
+    # Awake, it reads the coordinator's Abort, or its own watchdog (its clock ran on while it
+    # was paused) gives up on the coordinator first: either way it ends, and never reports
+    # the model it kept outside the group as the run's result.
+    paused = report(run_dir, 2)["exit_reason"]
+    assert paused.startswith(("aborted", "coordinator_lost")), paused
+    assert all(report(run_dir, r)["exit_reason"] == "completed" for r in range(2))

@@ -290,8 +290,10 @@ class CoordinatorMachine:
     # --- events: messages -------------------------------------------------------------------
 
     def on_message(self, rank: int, message: Message, now: float) -> list[Effect]:
-        """One message from ``rank`` (whose identity the shell verified)."""
-        self.liveness.on_frame(rank, now)
+        """One message from ``rank`` (whose identity the shell verified); nothing from a rank
+        that is no longer alive (declared dead, its connection not yet closed)."""
+        if not self.liveness.on_frame(rank, now):
+            return []
         if self.finished:
             if isinstance(message, CheckpointResult) and message.version == STOP_SAVE_VERSION:
                 self.ending.on_stop_save(rank, message, now)
@@ -337,6 +339,10 @@ class CoordinatorMachine:
         losses = self.liveness.check(now)
         if losses:
             why = "silent past the heartbeat timeout"
+            # A silent rank may only be paused (SIGSTOP, a swapping host): let it go, so that
+            # when it wakes it ends (or is restarted and rejoins) instead of training on
+            # outside the group and reporting a stale model as its result.
+            effects += [Disconnect(loss.rank, f"declared dead: {why}") for loss in losses]
             effects += self._carry_out(self.losses.lose(losses, now, why), now)
             if self.finished:
                 return effects
