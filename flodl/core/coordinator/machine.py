@@ -214,10 +214,8 @@ class CoordinatorMachine:
         return self.pacing.counts(self.members)
 
     def next_deadline(self) -> float:
-        """The latest time at which :meth:`on_tick` must run (``inf`` when nothing is due).
-
-        Called after every batch of reports, so it avoids building lists.
-        """
+        """The latest time at which :meth:`on_tick` must run (``inf`` when nothing is due);
+        called after every batch of reports, so it builds no list."""
         if self.finished:
             return math.inf
         best = math.inf
@@ -290,8 +288,7 @@ class CoordinatorMachine:
     # --- events: messages -------------------------------------------------------------------
 
     def on_message(self, rank: int, message: Message, now: float) -> list[Effect]:
-        """One message from ``rank`` (whose identity the shell verified); nothing from a rank
-        that is no longer alive (declared dead, its connection not yet closed)."""
+        """One message from ``rank`` (identity verified by the shell); ignored once it is dead."""
         if not self.liveness.on_frame(rank, now):
             return []
         if self.finished:
@@ -339,9 +336,8 @@ class CoordinatorMachine:
         losses = self.liveness.check(now)
         if losses:
             why = "silent past the heartbeat timeout"
-            # A silent rank may only be paused (SIGSTOP, a swapping host): let it go, so that
-            # when it wakes it ends (or is restarted and rejoins) instead of training on
-            # outside the group and reporting a stale model as its result.
+            # It may only be paused (SIGSTOP): let go, it ends when it wakes (or is restarted)
+            # instead of training on outside the group and reporting a stale model at the end.
             effects += [Disconnect(loss.rank, f"declared dead: {why}") for loss in losses]
             effects += self._carry_out(self.losses.lose(losses, now, why), now)
             if self.finished:
