@@ -25,7 +25,6 @@ from flodl.errors import ConfigError, FlodlError
 from flodl.host.environment import session_key_from_env
 from flodl.host.layout import nproc_of, ranks_of
 from flodl.observe.view_config import add_view_flags, view_config_from
-from flodl.worker.command import run_worker_command
 
 
 def _add_coordinator_options(parser: argparse.ArgumentParser) -> None:
@@ -449,6 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report(args)
         if args.command == "agent":
             return run_agent_command(args)
+        # Only here: the worker package imports torch, which costs every other command a
+        # second or more of start-up (and a launcher never needs it).
+        from flodl.worker.command import run_worker_command
+
         return run_worker_command(args)
     except FlodlError as err:
         print(f"flodl: error: {err}", file=sys.stderr)

@@ -1,10 +1,22 @@
-"""The package imports light: no torch at `import flodl`."""
+"""The package imports light: no torch at `import flodl`, nor in the processes that only
+coordinate and supervise (`flodl run`, `flodl coordinator`, `flodl agent`)."""
 
 import subprocess
 import sys
 
+import pytest
 
-def test_import_flodl_does_not_import_torch() -> None:
-    code = "import sys, flodl, flodl.wire.messages; print('torch' in sys.modules)"
+
+@pytest.mark.parametrize(
+    "modules",
+    [
+        "flodl, flodl.wire.messages",
+        # The `flodl` command and what its run, coordinator and agent commands import: a
+        # launcher that imported torch would spend a second or more starting for nothing.
+        "flodl.cli, flodl.launch.launcher, flodl.agent.agent, flodl.coordinator.server",
+    ],
+)
+def test_import_does_not_import_torch(modules: str) -> None:
+    code = f"import sys, {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

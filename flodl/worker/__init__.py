@@ -18,7 +18,8 @@ Async::
             ...
             await worker.batch_done(loss)
 
-Importing this package does not import torch (the backend does, when the worker opens).
+Importing this package imports torch; ``import flodl`` and the ``flodl`` command (but for
+``flodl worker``) do not.
 """
 
 from flodl.worker.config import WorkerConfig
