@@ -6,6 +6,7 @@ recovered from. Needs root and ``ip`` (CI has both); skips otherwise."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -15,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,6 +79,12 @@ def end_all(procs: list[subprocess.Popen[str]]) -> None:
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def report_of(run_dir: Path, rank: int) -> dict[str, Any]:
+    """What rank ``rank``'s last process wrote in ``run_dir/rank<N>.json``."""
+    report: dict[str, Any] = json.loads((run_dir / f"rank{rank}.json").read_text())
+    return report
 
 
 def in_ns(ns: str, *command: str, env: dict[str, str]) -> subprocess.Popen[str]:
@@ -206,8 +214,12 @@ def test_one_agent_per_host_restarts_a_far_rank_and_a_far_agent_takes_its_ranks(
     assert reformed["members"] == [0, 1]
     after = [r for r in records if r["kind"] == "SyncEnd" and r["seq"] > reformed["seq"]]
     assert after and all(list(r["ranks"]) == ["0", "1"] for r in after), records
-    bundles = list((tmp_path / far / "checkpoints").rglob("*.model.safetensors"))
-    assert {p.parent.name for p in bundles} == {"rank2", "rank3"}, bundles
+    # B's ranks saved what they trained when their agent went: the one never killed for sure;
+    # the restarted one if it had trained a batch since it came back (under load it can still
+    # be waiting for its first window when the agent dies, and then it has nothing to keep).
+    saved = {p.parent.name for p in (tmp_path / far / "checkpoints").rglob("*.model.safetensors")}
+    trained = {f"rank{r}" for r in (2, 3) if report_of(tmp_path / far, r)["batches"] > 0}
+    assert f"rank{5 - victim_rank}" in trained and saved == trained, (saved, trained)
     # A's two ranks saved one model on the stop, and it classifies.
     digits = digits_module()
     _, _, x_test, y_test = digits.load_data(0)
