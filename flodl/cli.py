@@ -25,6 +25,7 @@ from flodl.errors import ConfigError, FlodlError
 from flodl.host.environment import session_key_from_env
 from flodl.host.layout import nproc_of, ranks_of
 from flodl.observe.view_config import add_view_flags, view_config_from
+from flodl.supervise.warm import COLD_START_HELP
 
 
 def _add_coordinator_options(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a failed rank again up to this many times; it rejoins the running group",
     )
     run.add_argument("--strict", action="store_true", help=STRICT_HELP)
+    run.add_argument("--cold-start", action="store_true", help=COLD_START_HELP)
     run.add_argument(
         "--keep-checkpoints",
         type=int,
@@ -331,6 +333,7 @@ def _run(args: argparse.Namespace) -> int:
         coordinator=_coordinator_config(args),
         resume=args.resume,
         restarts=args.restarts,
+        warm_start=not args.cold_start,
         overwrite=args.overwrite,
         keep_checkpoints=args.keep_checkpoints,
         echo=not args.quiet,

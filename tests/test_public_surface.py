@@ -261,6 +261,7 @@ TOP_LEVEL_FLAGS = ["--help", "-h"]
 
 CLI_FLAGS = {
     "agent": [
+        "--cold-start",
         "--coordinator",
         "--help",
         "--host",
@@ -317,6 +318,7 @@ CLI_FLAGS = {
         "--backend",
         "--checkpoint-every",
         "--checkpoint-every-epochs",
+        "--cold-start",
         "--coordinator",
         "--dashboard",
         "--dashboard-token-file",
@@ -450,6 +452,7 @@ ENV_VARS = {
     "FLODL_SESSION_KEY",
     "FLODL_SESSION_KEY_FILE",
     "FLODL_STOP_ON_SIGNALS",
+    "FLODL_ZYGOTE_FD",
     "GLOO_SOCKET_IFNAME",
     "GROUP_RANK",
     "GROUP_WORLD_SIZE",
@@ -459,6 +462,7 @@ ENV_VARS = {
     "MASTER_PORT",
     "NODE_RANK",
     "OMP_NUM_THREADS",
+    "PYTHONPATH",
     "PYTHONUNBUFFERED",
     "RANK",
     "ROLE_NAME",

@@ -29,7 +29,8 @@ from flodl.host.console import say
 from flodl.host.environment import RankEnv, rank_process_environment, write_session_key
 from flodl.host.torchrun_env import TorchrunLayout
 from flodl.supervise.exits import exit_text
-from flodl.supervise.ranks import RestartBudget, Supervision, open_rank_process
+from flodl.supervise.ranks import RankHandle, RestartBudget, Supervision, start_rank_process
+from flodl.supervise.warm import WarmStarter, warm_starter_if
 from flodl.transports.reach import host_of
 
 __all__ = ["AgentResult", "agent_rank_environment", "run_agent"]
@@ -141,16 +142,16 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
         shared=RestartBudget(config.restarts),  # --restarts counts for the host
     )
 
-    async def start_rank(rank: int, restart_count: int) -> trio.Process:
-        env = agent_rank_environment(
-            config,
-            assignment,
-            rank - assignment.first_rank,
-            key_file,
-            restart_count,
-            link.tunnels.url,
-        )
-        return await open_rank_process([config.python, config.script, *config.script_args], env)
+    def environment(rank: int, restart_count: int) -> dict[str, str]:
+        local_rank = rank - assignment.first_rank
+        url = link.tunnels.url
+        return agent_rank_environment(config, assignment, local_rank, key_file, restart_count, url)
+
+    warm: WarmStarter | None = None
+
+    async def start_rank(rank: int, restart_count: int) -> RankHandle:
+        argv = [config.python, config.script, *config.script_args]
+        return await start_rank_process(warm, argv, environment(rank, restart_count))
 
     host = HostRanks(
         assignment.ranks,
@@ -171,12 +172,15 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
         finally:
             tunnels.cancel()  # the coordinator is gone: so is every rank's connection
 
+    common = environment(assignment.first_rank, 0)  # what the warm-start helper imports in
     try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(carry_ranks)
-            nursery.start_soon(carry_link)
-            await host.run(link)
-            nursery.cancel_scope.cancel()
+        async with warm_starter_if(config.warm_start, config.python, common) as starter:
+            warm = starter
+            async with trio.open_nursery() as nursery:
+                await nursery.start(carry_ranks)
+                nursery.start_soon(carry_link)
+                await host.run(link)
+                nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
             await link.aclose()

@@ -11,6 +11,8 @@ __all__ = ["add_agent_parser", "run_agent_command"]
 
 def add_agent_parser(commands: Any) -> None:
     """Add ``flodl agent`` to the CLI's subcommands."""
+    from flodl.supervise.warm import COLD_START_HELP
+
     agent = commands.add_parser(
         "agent",
         help="start and supervise this host's ranks for a coordinator elsewhere",
@@ -38,6 +40,7 @@ def add_agent_parser(commands: Any) -> None:
         help="start a failed rank again, this many times in all for this host; it rejoins "
         "the running group",
     )
+    agent.add_argument("--cold-start", action="store_true", help=COLD_START_HELP)
     agent.add_argument(
         "--run-dir",
         type=Path,
@@ -102,6 +105,7 @@ def run_agent_command(args: argparse.Namespace) -> int:
         script_args=tuple(args.script_args),
         run_dir=args.run_dir,
         restarts=args.restarts,
+        warm_start=not args.cold_start,
         join_timeout=args.join_timeout,
         host=args.host,
         master_addr=args.master_addr,

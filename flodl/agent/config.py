@@ -46,6 +46,8 @@ class AgentConfig:
     resume: Path | None = None
     """A checkpoint bundle on this host every rank resumes from (``FLODL_RESUME``)."""
     python: str = sys.executable
+    warm_start: bool = True
+    """Fork the ranks from a helper that has torch imported (:mod:`flodl.supervise.warm`)."""
     echo: bool = True
     show_ranks: frozenset[int] | None = None
 

@@ -23,6 +23,7 @@ from flodl.coordinator.signals import Stoppable, StopSignals, watch_signals
 from flodl.supervise.exits import ExitSink
 from flodl.supervise.ranks import (
     LOST_RANK_GRACE,
+    RankHandle,
     RankProcess,
     Supervision,
     kill_rank_groups,
@@ -33,7 +34,7 @@ from flodl.supervise.ranks import (
 
 __all__ = ["HostRanks", "RunLink", "StartRank"]
 
-StartRank = Callable[[int, int], Awaitable[trio.Process]]
+StartRank = Callable[[int, int], Awaitable[RankHandle]]
 """``start(rank, restart_count)``: the rank's process, started (in a session of its own)."""
 
 
@@ -115,7 +116,7 @@ class HostRanks:
                         item.exit_log.exited(item.rank, item.process.pid, code, item.exited_unix)
 
     async def _supervise(self, item: RankProcess, link: RunLink) -> None:
-        async def restart(rank: int) -> trio.Process:
+        async def restart(rank: int) -> RankHandle:
             return await self._start(rank, item.restarts)
 
         await supervise_rank(item, link, self._supervision, restart)

@@ -29,6 +29,8 @@ class LaunchConfig:
     seed: int = 0
     coordinator: CoordinatorConfig = attrs.field(factory=CoordinatorConfig)
     python: str = sys.executable
+    warm_start: bool = True
+    """Fork the ranks from a helper that has torch imported (:mod:`flodl.supervise.warm`)."""
     resume: Path | None = None
     exit_grace: float = 30.0
     """Seconds ranks get to exit on their own after the run ended, before they are killed."""

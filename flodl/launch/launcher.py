@@ -40,7 +40,8 @@ from flodl.launch.summary import SUMMARY_NAME, build_summary
 from flodl.observe.events import EVENTS_NAME
 from flodl.observe.hub import open_observer
 from flodl.observe.views import run_views
-from flodl.supervise.ranks import Supervision, open_rank_process
+from flodl.supervise.ranks import RankHandle, Supervision, start_rank_process
+from flodl.supervise.warm import WarmStarter, warm_starter_if
 
 
 def rank_environment(
@@ -139,17 +140,16 @@ async def _launch(
         if config.nproc > 1 and "OMP_NUM_THREADS" not in os.environ and config.echo:
             say(OMP_NOTE.format(n=config.nproc))
 
-        async def start_rank(rank: int, restart_count: int) -> trio.Process:
-            env = rank_environment(
-                config,
-                rank,
-                coordinator.url,
-                key_file,
-                master_port,
-                resume=None if plan is None else plan.bundle,
-                restart_count=restart_count,
-            )
-            return await open_rank_process([config.python, config.script, *config.script_args], env)
+        def environment(rank: int, restart_count: int) -> dict[str, str]:
+            resume = None if plan is None else plan.bundle
+            url = coordinator.url
+            return rank_environment(config, rank, url, key_file, master_port, resume, restart_count)
+
+        warm: WarmStarter | None = None
+
+        async def start_rank(rank: int, restart_count: int) -> RankHandle:
+            argv = [config.python, config.script, *config.script_args]
+            return await start_rank_process(warm, argv, environment(rank, restart_count))
 
         # The host's ranks, run by the node agent's own code with the coordinator in this
         # process as its link: one supervision for one host and for many.
@@ -161,7 +161,10 @@ async def _launch(
             kill_says=("kill them", "killing the ranks"),
         )
         observing = open_observer(coordinator, run_dir, (trio_start, clock_unix))
-        async with observing as observer, trio.open_nursery() as nursery:
+        # Every rank's environment but for its number: what the warm-start helper imports in.
+        warming = warm_starter_if(config.warm_start, config.python, environment(0, 0))
+        async with observing as observer, warming as starter, trio.open_nursery() as nursery:
+            warm = starter
             view = observer.view
             dashboard = await nursery.start(run_views, observer, config.views)
             if dashboard is not None and config.echo:

@@ -137,6 +137,7 @@ def run_nodes_command(args: Any, config: CoordinatorConfig, views: ViewConfig) -
         script_args=tuple(args.script_args),
         run_dir=args.run_dir or fresh_run_dir(),
         restarts=args.restarts,
+        warm_start=not args.cold_start,
         join_timeout=config.join_timeout,
         resume=args.resume,
         echo=not args.quiet,

@@ -23,9 +23,11 @@ import trio
 
 from flodl.host.console import say
 from flodl.supervise.exits import ExitLog, ExitSink, RankExit
+from flodl.supervise.warm import WarmProcess, WarmStarter, WarmStartError
 
 __all__ = [
     "LOST_RANK_GRACE",
+    "RankHandle",
     "RankProcess",
     "RestartBudget",
     "Supervision",
@@ -33,6 +35,7 @@ __all__ = [
     "kill_ranks",
     "let_ranks_exit",
     "open_rank_process",
+    "start_rank_process",
     "supervise_rank",
 ]
 
@@ -41,12 +44,17 @@ LOST_RANK_GRACE = 2.0
 the supervisor kills it at the end of the run."""
 
 
+RankHandle = trio.Process | WarmProcess
+"""A rank's process: started cold (:func:`open_rank_process`) or forked warm
+(:class:`~flodl.supervise.warm.WarmStarter`)."""
+
+
 @attrs.define
 class RankProcess:
     """One spawned rank and what became of it."""
 
     rank: int
-    process: trio.Process
+    process: RankHandle
     started_unix: float
     exit_code: int | None = None
     exited_unix: float | None = None
@@ -113,6 +121,19 @@ async def open_rank_process(argv: Sequence[str], env: dict[str, str]) -> trio.Pr
     )
 
 
+async def start_rank_process(
+    warm: WarmStarter | None, argv: Sequence[str], env: dict[str, str]
+) -> RankHandle:
+    """Start a rank's process: forked by ``warm`` when there is one and it can (the notice of
+    a warm start that failed goes to stdout), else cold (:func:`open_rank_process`)."""
+    if warm is not None:
+        try:
+            return await warm.start(argv, env)
+        except WarmStartError as err:
+            say(f"flodl: {err}; starting the rank cold")
+    return await open_rank_process(argv, env)
+
+
 async def relay_output(rank: int, stream: trio.abc.ReceiveStream, echo: bool, log: Path) -> None:
     """Copy a rank's output to its log file and, prefixed, to our stdout (until a reader of
     ours is gone: the log still gets everything)."""
@@ -135,7 +156,7 @@ async def supervise_rank(
     spawned: RankProcess,
     sink: ExitSink,
     supervision: Supervision,
-    restart: Callable[[int], Awaitable[trio.Process]],
+    restart: Callable[[int], Awaitable[RankHandle]],
 ) -> None:
     """Relay output until the process exits; report the exit to ``sink``; restart a failed rank.
 

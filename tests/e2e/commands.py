@@ -28,6 +28,16 @@ def children_of(pid: int) -> list[int]:
     ]
 
 
+def rank_pids(host: int) -> list[int]:
+    """The rank processes a ``flodl agent`` or ``flodl run`` process ``host`` started, oldest
+    first: its children, or the children of its warm-start helper (which forks them)."""
+    pids = []
+    for child in children_of(host):
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        pids += children_of(child) if b"flodl.supervise.zygote" in cmdline else [child]
+    return sorted(pids)  # pids rise: they do not wrap around within a test
+
+
 def read_until(proc: subprocess.Popen[str], needle: str) -> str:
     """``proc``'s output up to the line holding ``needle``; AssertionError with what was read
     if the output ends first."""

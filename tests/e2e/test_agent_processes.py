@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flodl.observe.events import read_events
-from tests.e2e.commands import DIGITS, FLODL, children_of, free_port, read_until
+from tests.e2e.commands import DIGITS, FLODL, free_port, rank_pids, read_until
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +130,7 @@ def test_a_rank_killed_on_one_host_is_restarted_by_its_agent_and_rejoins(tmp_pat
         job.start([*agent(job.url, 0, 2, tmp_path / "host0"), *script])
         host1 = job.start([*agent(job.url, 1, 1, tmp_path / "host1", "--restarts", "1"), *script])
         job.read_until(host1, "rank 2: epoch 1 started")
-        (victim,) = children_of(host1.pid)
+        (victim,) = rank_pids(host1.pid)
         os.kill(victim, signal.SIGKILL)
         job.read_until(coordinator_process, "rank 2 rejoined")
         coordinator_process.send_signal(signal.SIGTERM)  # every rank saves and stops
@@ -157,7 +157,7 @@ def test_a_killed_agent_takes_its_ranks_and_the_other_host_trains_on(tmp_path: P
         host0 = job.start([*agent(job.url, 0, 2, tmp_path / "host0"), *script])
         host1 = job.start([*agent(job.url, 1, 1, tmp_path / "host1"), *script])
         job.read_until(host1, "rank 2: epoch 1 started")
-        (orphan,) = children_of(host1.pid)
+        (orphan,) = rank_pids(host1.pid)
         watch = os.pidfd_open(orphan)
         host1.kill()
         try:  # the orphan saves and exits on its own: nothing else ends it

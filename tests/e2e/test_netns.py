@@ -23,7 +23,7 @@ import torch
 
 from flodl.checkpoint import find_latest, load_bundle
 from flodl.observe.events import read_events
-from tests.e2e.commands import children_of, read_until
+from tests.e2e.commands import rank_pids, read_until
 from tests.worker.procs import digits_module
 
 pytestmark = pytest.mark.slow
@@ -186,16 +186,15 @@ def test_one_agent_per_host_restarts_a_far_rank_and_a_far_agent_takes_its_ranks(
         procs.append(in_ns(near, *coordinator, env=env))
         agent_a, agent_b, coord = procs
         read_until(agent_b, "rank 3: epoch 1 started")
-        victim = max(children_of(agent_b.pid))  # one of B's two ranks
-        environ = Path(f"/proc/{victim}/environ").read_bytes().split(b"\0")
-        (victim_rank,) = [int(v.removeprefix(b"RANK=")) for v in environ if v.startswith(b"RANK=")]
+        # B's ranks, 2 and 3, were started in that order; kill the second.
+        victim_rank, victim = 3, rank_pids(agent_b.pid)[1]
         os.kill(victim, signal.SIGKILL)
         # Its agent reaps it, starts it again, and the new process rejoins the running group
         # and trains (so that it has a bundle to save when its agent dies below).
         read_until(coord, f"rank {victim_rank} rejoined")
         read_until(agent_b, f"rank {victim_rank}: epoch")
         read_until(agent_b, "epoch")
-        orphans = children_of(agent_b.pid)
+        orphans = rank_pids(agent_b.pid)
         assert len(orphans) == 2 and victim not in orphans
         agent_b.kill()
         read_until(coord, "ranks [0, 1]")  # the group re-formed without host B
