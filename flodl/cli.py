@@ -7,6 +7,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from flodl.host.environment import session_key_from_env
 from flodl.host.layout import nproc_of, ranks_of
 from flodl.observe.view_config import add_view_flags, view_config_from
 from flodl.supervise.warm import COLD_START_HELP
+from flodl.worker.command import run_worker_command
 
 
 def _add_coordinator_options(parser: argparse.ArgumentParser) -> None:
@@ -345,7 +347,7 @@ def _run(args: argparse.Namespace) -> int:
         plan_resume(args.resume)
     if args.run_dir is None:
         point_latest(config.run_dir)
-    summary = trio.run(launch, config)
+    summary = trio.run(partial(launch, config, owns_process=True))
     # `| tee` may have died of the same Ctrl-C, or the terminal closed: summary.json is
     # written, and only the echo is lost.
     with unread_is_fine():
@@ -451,10 +453,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report(args)
         if args.command == "agent":
             return run_agent_command(args)
-        # Only here: the worker package imports torch, which costs every other command a
-        # second or more of start-up (and a launcher never needs it).
-        from flodl.worker.command import run_worker_command
-
         return run_worker_command(args)
     except FlodlError as err:
         print(f"flodl: error: {err}", file=sys.stderr)

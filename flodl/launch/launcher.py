@@ -88,8 +88,15 @@ def rank_environment(
     return rank_process_environment(layout, rank_env)
 
 
-async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str, Any]:
+async def launch(
+    config: LaunchConfig, *, key: bytes | None = None, owns_process: bool = False
+) -> dict[str, Any]:
     """Run the job to its end and return the summary (also written to run-dir/summary.json).
+
+    ``owns_process``: this process exists to run the job (``flodl run``), so the coordinator
+    freezes its heap once training starts (:mod:`flodl.coordinator`). Left False in a process
+    with other work (a notebook, a test session): there the full collection before the freeze
+    walks that work's heap too, and stalls every heartbeat while it does.
 
     Guarantees: every rank process started here has exited (killed if need be) when this
     returns or raises, including on cancellation. Raises ConfigError, before any rank starts,
@@ -101,11 +108,11 @@ async def launch(config: LaunchConfig, *, key: bytes | None = None) -> dict[str,
     with claim_run_dir(config.run_dir, resume=config.resume, overwrite=config.overwrite):
         if config.echo:
             say(f"flodl: run folder {config.run_dir}")
-        return await _launch(config, key, plan)
+        return await _launch(config, key, plan, owns_process)
 
 
 async def _launch(
-    config: LaunchConfig, key: bytes | None, plan: ResumePlan | None
+    config: LaunchConfig, key: bytes | None, plan: ResumePlan | None, owns_process: bool
 ) -> dict[str, Any]:
     run_dir = config.run_dir
     if plan is not None:  # each rank log holds one run; a restart within it appends
@@ -130,7 +137,7 @@ async def _launch(
         seed=config.seed,
         linger=config.exit_grace,
         resume=None if plan is None else plan.state,
-        freeze_heap=True,  # this process exists to coordinate (see flodl.coordinator)
+        freeze_heap=owns_process,
     ) as coordinator:
         # The run's clock starts when the coordinator's did (its join timeout counts from
         # there); the unix time of that instant is read off both clocks read together.
