@@ -6,6 +6,7 @@ order with their coordinator, so both connect through :func:`reach_patiently`.
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import trio
@@ -14,6 +15,8 @@ from flodl.errors import CoordinatorError, FlodlError, TransportError
 from flodl.transports import connect, parse_url
 
 __all__ = ["host_of", "local_address", "reach_patiently"]
+
+log = logging.getLogger(__name__)
 
 
 def host_of(url: str) -> str:
@@ -41,7 +44,8 @@ LAST_RETRY_S = 2.0
 async def reach_patiently(url: str, timeout: float, who: str) -> trio.abc.Stream:
     """A stream to the coordinator at ``url``, trying again (waits doubling from 0.1 s to 2 s)
     while nothing listens there yet, for up to ``timeout`` seconds: ranks, agents and their
-    coordinator may start in any order. CoordinatorError naming ``who`` and the last error
+    coordinator may start in any order. The first failed attempt is logged (a warning: who
+    waits for what, and for how long). CoordinatorError naming ``who`` and the last error
     after that. Cancellable at any point (nothing is left open)."""
     wait = FIRST_RETRY_S
     last: FlodlError | None = None
@@ -50,6 +54,13 @@ async def reach_patiently(url: str, timeout: float, who: str) -> trio.abc.Stream
             try:
                 return await connect(url)
             except TransportError as err:
+                if last is None:
+                    log.warning(
+                        "%s: no coordinator at %s yet; trying again for up to %g s",
+                        who,
+                        url,
+                        timeout,
+                    )
                 last = err
             await trio.sleep(wait)
             wait = min(wait * 2, LAST_RETRY_S)

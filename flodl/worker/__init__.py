@@ -18,13 +18,20 @@ Async::
             ...
             await worker.batch_done(loss)
 
-Importing this package imports torch; ``import flodl`` and the ``flodl`` command (but for
-``flodl worker``) do not.
+Importing this package does not import torch: its names load on first use (``join`` and the
+rest import the backend, and torch with it), so ``flodl worker`` checks its flags and hands over
+to the script, which imports torch once.
 """
 
-from flodl.worker.config import WorkerConfig
-from flodl.worker.facade import Rank, TrainingBatch, join
-from flodl.worker.runtime import Assignment, Worker, open_worker
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flodl.worker.config import WorkerConfig
+    from flodl.worker.facade import Rank, TrainingBatch, join
+    from flodl.worker.runtime import Assignment, Worker, open_worker
 
 __all__ = [
     "Assignment",
@@ -35,3 +42,26 @@ __all__ = [
     "join",
     "open_worker",
 ]
+
+_HOMES = {
+    "Assignment": "flodl.worker.runtime",
+    "Rank": "flodl.worker.facade",
+    "TrainingBatch": "flodl.worker.facade",
+    "Worker": "flodl.worker.runtime",
+    "WorkerConfig": "flodl.worker.config",
+    "join": "flodl.worker.facade",
+    "open_worker": "flodl.worker.runtime",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'flodl.worker' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # found once: later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
