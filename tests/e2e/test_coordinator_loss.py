@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.commands import rank_pids
 from tests.worker.procs import DIGITS, live_in_groups
 
 pytestmark = pytest.mark.slow
@@ -34,8 +35,7 @@ def _launch(run_dir: Path, nproc: int, *args: str) -> subprocess.Popen[str]:
 
 
 def _rank_pids(launcher: subprocess.Popen[str]) -> list[int]:
-    tasks = Path(f"/proc/{launcher.pid}/task")
-    return [int(p) for t in tasks.iterdir() for p in (t / "children").read_text().split()]
+    return rank_pids(launcher.pid)
 
 
 def test_a_sigkilled_launcher_leaves_every_rank_saved_and_the_run_resumes(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from flodl.checkpoint import load_bundle
+from tests.e2e.commands import rank_pids
 from tests.worker.procs import DIGITS, live_in_groups
 
 pytestmark = pytest.mark.slow
@@ -92,10 +93,9 @@ class Launcher:
         self._watchdog.cancel()
         return self.process.returncode
 
-    def children(self) -> list[str]:
-        """The launcher's child processes (trio starts them from worker threads)."""
-        tasks = Path(f"/proc/{self.process.pid}/task")
-        return [pid for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+    def children(self) -> list[int]:
+        """The launcher's rank processes (its children, or its warm-start helper's)."""
+        return rank_pids(self.process.pid)
 
     def wait_for_children(self, count: int) -> None:
         deadline = time.monotonic() + 30
@@ -232,7 +232,7 @@ def test_ranks_do_not_outlive_a_sigkilled_launcher(tmp_path: Path) -> None:
     the coordinator's connection close and gives up."""
     launcher = Launcher(tmp_path / "run", 2, DIGITS, "--epochs", "50")
     launcher.read_until("epoch 1 started")
-    ranks = [int(pid) for pid in launcher.children()]
+    ranks = launcher.children()
     assert len(ranks) == 2
     os.kill(launcher.process.pid, signal.SIGKILL)
     launcher.finish()
