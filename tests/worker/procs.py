@@ -115,6 +115,28 @@ def digits_command(*args: str) -> list[str]:
     return [sys.executable, str(DIGITS), *args]
 
 
+def digits_ranks(
+    world: int,
+    url: str,
+    key: bytes,
+    run_dir: Path,
+    args: Sequence[str],
+    *,
+    piped: int,
+    heartbeat_timeout: float = 5.0,
+) -> list[tuple[list[str], dict[str, str], Path | None]]:
+    """``world`` digits ranks for :func:`spawn`: each runs ``examples/digits.py args``; rank
+    ``piped``'s output comes on a pipe, the others' go to ``run_dir/rank<N>.log``."""
+    return [
+        (
+            digits_command(*args),
+            rank_env(r, world, url, key, run_dir, heartbeat_timeout=heartbeat_timeout),
+            None if r == piped else run_dir / f"rank{r}.log",
+        )
+        for r in range(world)
+    ]
+
+
 def live_in_groups(groups: Sequence[int]) -> list[int]:
     """Processes, zombies aside, in any of the process groups ``groups`` (an orphan's zombie
     waits on init)."""

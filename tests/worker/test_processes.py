@@ -27,7 +27,7 @@ from flodl.core.coordinator.machine import Status
 from flodl.core.coordinator.timeline import EventKind, TimelineEvent
 from flodl.launch.config import LaunchConfig
 from flodl.launch.launcher import launch
-from tests.worker.procs import DIGITS, ROOT, digits_command, rank_env, read_until, spawn
+from tests.worker.procs import DIGITS, ROOT, digits_ranks, read_until, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -112,14 +112,8 @@ async def test_ranks_give_up_on_a_frozen_coordinator(tmp_path: Path) -> None:
         with trio.fail_after(30):
             await read_until(coordinator, b"\n", line)
         url = line.decode().split()[1]
-        ranks = [
-            (
-                digits_command("--epochs", "500", "--slow", "1:2"),
-                rank_env(r, 2, url, key, run_dir, heartbeat_timeout=3.0),
-                None if r == 0 else run_dir / f"rank{r}.log",
-            )
-            for r in range(2)
-        ]
+        args = ["--epochs", "500", "--slow", "1:2"]
+        ranks = digits_ranks(2, url, key, run_dir, args, piped=0, heartbeat_timeout=3.0)
         async with spawn(ranks) as processes:
             output = bytearray()
             with trio.fail_after(60):
@@ -148,14 +142,7 @@ async def test_survivors_of_a_sigkilled_rank_reform_and_finish(tmp_path: Path) -
     run_dir.mkdir()
     config = CoordinatorConfig(policy=Policy.CADENCE, heartbeat_timeout=5, heartbeat_interval=0.5)
     async with open_coordinator("tcp://127.0.0.1:0", 3, key, config, linger=20) as coord:
-        ranks = [
-            (
-                digits_command("--epochs", "6"),
-                rank_env(r, 3, coord.url, key, run_dir),
-                None if r == 2 else run_dir / f"rank{r}.log",
-            )
-            for r in range(3)
-        ]
+        ranks = digits_ranks(3, coord.url, key, run_dir, ["--epochs", "6"], piped=2)
         async with spawn(ranks) as processes:
             output = bytearray()
             with trio.fail_after(60):
@@ -197,14 +184,8 @@ async def test_a_rank_paused_past_the_timeout_is_let_go_and_ends_when_it_wakes(
 
     async with open_coordinator("tcp://127.0.0.1:0", 3, key, config, linger=20) as coord:
         coord.add_event_sink(on_event)
-        ranks = [
-            (
-                digits_command("--epochs", "6"),
-                rank_env(r, 3, coord.url, key, run_dir, heartbeat_timeout=2),
-                None if r == 2 else run_dir / f"rank{r}.log",
-            )
-            for r in range(3)
-        ]
+        args = ["--epochs", "6"]
+        ranks = digits_ranks(3, coord.url, key, run_dir, args, piped=2, heartbeat_timeout=2)
         async with spawn(ranks) as processes:
             output = bytearray()
             with trio.fail_after(60):
