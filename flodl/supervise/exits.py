@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
-import trio
 
-from flodl.supervise.warm import WarmProcess
+from flodl.supervise.warm import RankHandle
 
 __all__ = [
     "ExitFact",
@@ -79,7 +78,7 @@ class ExitLog:
     killed: dict[int, float] = attrs.field(factory=dict)
     """pid -> unix time the launcher sent it SIGKILL."""
 
-    def killing(self, process: trio.Process | WarmProcess) -> None:
+    def killing(self, process: RankHandle) -> None:
         """The launcher is about to SIGKILL ``process``: noted only if it still runs, so the
         kill of a process that died already (of another's SIGKILL, not yet reaped) is not
         claimed as ours."""

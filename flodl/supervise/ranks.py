@@ -23,7 +23,7 @@ import trio
 
 from flodl.host.console import say
 from flodl.supervise.exits import ExitLog, ExitSink, RankExit
-from flodl.supervise.warm import WarmProcess, WarmStarter, WarmStartError
+from flodl.supervise.warm import RankHandle, WarmStarter, WarmStartError
 
 __all__ = [
     "LOST_RANK_GRACE",
@@ -42,11 +42,6 @@ __all__ = [
 LOST_RANK_GRACE = 2.0
 """Seconds a lost rank's process gets to exit on its own (its traceback, its report) before
 the supervisor kills it at the end of the run."""
-
-
-RankHandle = trio.Process | WarmProcess
-"""A rank's process: started cold (:func:`open_rank_process`) or forked warm
-(:class:`~flodl.supervise.warm.WarmStarter`)."""
 
 
 @attrs.define

@@ -32,6 +32,7 @@ from flodl.supervise.zygote import FD_VAR, MAX_MESSAGE
 __all__ = [
     "COLD_START_HELP",
     "HELPER_EXIT_GRACE",
+    "RankHandle",
     "WarmProcess",
     "WarmStartError",
     "WarmStarter",
@@ -91,6 +92,11 @@ class WarmProcess:
             self.returncode = code
             os.close(self._pidfd)
             self._exited.set()
+
+
+RankHandle = trio.Process | WarmProcess
+"""A rank's process: started cold (:func:`~flodl.supervise.ranks.open_rank_process`) or forked
+warm (:class:`WarmStarter`)."""
 
 
 class WarmStarter:
