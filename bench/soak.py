@@ -66,6 +66,8 @@ class Fault:
     pid: int
     unix: float
     samples_lost: int | None
+    after_seq: int
+    """The last event logged before the fault: its death is the rank's next ``RankDead``."""
     dead_unix: float | None = None
     resumed_unix: float | None = None
 
@@ -143,18 +145,22 @@ class Soak:
     def signal_rank(self, kind: str, rank: int, signum: signal.Signals) -> Fault:
         pid = self.live_pid(rank)
         lost = self.ranks.samples_lost(rank, pid, BATCH_SIZE)
-        fault = Fault(kind, rank, pid, time.time(), lost)
+        self.events.read()
+        fault = Fault(kind, rank, pid, time.time(), lost, self.events.last_seq)
         os.kill(pid, signum)
         self.faults.append(fault)
         return fault
 
-    def arm(self, kind: str) -> Path:
+    def arm(self, kind: str) -> tuple[Path, int]:
+        """Arm the ``kind`` trap: (its file, the last event logged before it was armed)."""
+        self.events.read()
         armed = soak_dir(self.run_dir) / f"arm-{kind}"
         armed.write_text("")
-        return armed
+        return armed, self.events.last_seq
 
-    async def claimed(self, kind: str, armed: Path, limit: float) -> None:
-        """Wait for a rank to claim ``armed`` and record its fault; disarm it if none does."""
+    async def claimed(self, kind: str, armed: Path, armed_after: int, limit: float) -> None:
+        """Wait for a rank to claim ``armed`` and record its fault; disarm it if none does.
+        ``armed_after``: the last event logged before it was armed."""
         folder = soak_dir(self.run_dir) / "faults"
         seen = {p.name for p in folder.glob("*.json")} if folder.exists() else set()
 
@@ -172,9 +178,8 @@ class Soak:
         for path in fresh():
             record = json.loads(path.read_text())
             lost = record["batches_since_round"] * BATCH_SIZE
-            self.faults.append(
-                Fault(f"kill-{kind}", record["rank"], record["pid"], record["unix"], lost)
-            )
+            rank, pid, unix = record["rank"], record["pid"], record["unix"]
+            self.faults.append(Fault(f"kill-{kind}", rank, pid, unix, lost, armed_after))
 
     async def inject(self, kind: str) -> None:
         rank = self.random.randrange(self.args.nproc)
@@ -185,18 +190,18 @@ class Soak:
             await trio.sleep(self.args.heartbeat_timeout + 1.0)
             os.kill(fault.pid, signal.SIGCONT)
         elif kind == "kill-during-regroup":
-            armed = self.arm("regroup")
+            armed, armed_after = self.arm("regroup")
             self.signal_rank("sigkill", rank, signal.SIGKILL)
-            await self.claimed("regroup", armed, self.args.hang_s)
+            await self.claimed("regroup", armed, armed_after, self.args.hang_s)
         elif kind == "kill-while-saving":
-            await self.claimed("save", self.arm("save"), self.args.hang_s)
+            await self.claimed("save", *self.arm("save"), self.args.hang_s)
         elif kind == "kill-restarted":
             first = self.signal_rank("sigkill", rank, signal.SIGKILL)
 
             def rejoined() -> bool:
                 self.events.read()
                 pids = self.ranks.live().get(rank, [])
-                joined = self.events.first("RankJoined", first.unix, rank)
+                joined = self.events.first("RankJoined", first.after_seq, rank)
                 return len(pids) == 1 and pids[0] != first.pid and joined is not None
 
             if await self.until(rejoined, self.args.hang_s):
@@ -245,7 +250,7 @@ class Soak:
         try:
             if not await self.until(self.steady, a.startup_s):
                 raise RuntimeError(f"the run never started training:\n{log.read_text()[-3000:]}")
-            training_started = self.events.first("TrainingStarted", 0.0)
+            training_started = self.events.first("TrainingStarted", -1)
             assert training_started is not None
             self.readings.append(await trio.to_thread.run_sync(self.read_figures))
             await self.fault_loop(training_started["unix"] + a.duration)
@@ -267,13 +272,15 @@ class Soak:
     # -- figures -----------------------------------------------------------------------------
 
     def settle(self) -> None:
-        """Find each fault's death and the first round that settled after it."""
+        """Find each fault's death and the first round that settled after it (or the run's
+        end, for a death in its last round)."""
         for fault in self.faults:
-            dead = self.events.first("RankDead", fault.unix, fault.rank)
+            dead = self.events.first("RankDead", fault.after_seq, fault.rank)
             if dead is None:
                 continue
             fault.dead_unix = dead["unix"]
-            resumed = self.events.first("SyncEnd", dead["unix"])
+            ends = (self.events.first(k, dead["seq"]) for k in ("SyncEnd", "Shutdown"))
+            resumed = min((e for e in ends if e is not None), key=lambda e: e["seq"], default=None)
             if resumed is not None and resumed["unix"] - fault.unix <= self.args.hang_s:
                 fault.resumed_unix = resumed["unix"]
 
@@ -321,6 +328,7 @@ class Soak:
             "samples_lost_per_fault": _round(statistics.mean(lost)) if lost else None,
             "hangs": hangs,
             "not_steady": len(self.not_steady),
+            "not_steady_unix": [round(t, 3) for t in self.not_steady],
             "traps_unclaimed": self.unclaimed,
             "fd_growth": growth("open_fds"),
             "tasks_growth": growth("tasks"),

@@ -49,9 +49,20 @@ class EventLog:
             if event["kind"] == kind and (rank is None or event.get("rank") == rank):
                 yield event
 
-    def first(self, kind: str, after_unix: float, rank: int | None = None) -> dict[str, Any] | None:
-        """The first ``kind`` event (of ``rank``) at or after ``after_unix``."""
-        return next((e for e in self.of(kind, rank) if e["unix"] >= after_unix), None)
+    @property
+    def last_seq(self) -> int:
+        """The sequence number of the last event read (-1 before any)."""
+        return int(self.events[-1]["seq"]) if self.events else -1
+
+    def first(self, kind: str, after_seq: int, rank: int | None = None) -> dict[str, Any] | None:
+        """The first ``kind`` event (of ``rank``) logged after the event numbered ``after_seq``.
+
+        Ordered by the log's sequence numbers, never by comparing this process's clock with
+        the log's ``unix``: that is the coordinator's start time plus its monotonic clock, so
+        a wall-clock step or slew between them (a machine syncing its clock) would misplace
+        events by as much as the step.
+        """
+        return next((e for e in self.of(kind, rank) if e["seq"] > after_seq), None)
 
     def members(self) -> set[int]:
         """The ranks joined and not declared dead since, by the log so far."""

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,6 +44,21 @@ def kill_everything(folder: Path, bench: subprocess.Popen[bytes]) -> None:
     bench.wait()
 
 
+def diagnosis(result: dict[str, Any], folder: Path) -> str:
+    """What a failure report needs: every fault, which had no recovery, the run's last lines."""
+    log = folder / "launcher.log"
+    return "\n".join(
+        [
+            *(json.dumps(fault) for fault in result["faults"]),
+            f"no recovery: {[f['pid'] for f in result['faults'] if f['recovery_s'] is None]}",
+            f"not steady (unix): {result['not_steady_unix']}",
+            f"traps unclaimed: {result['traps_unclaimed']}",
+            "the launcher's last lines:",
+            log.read_text(errors="replace")[-5000:] if log.exists() else "(no log)",
+        ]
+    )
+
+
 def test_a_short_soak_survives_every_fault(tmp_path: Path) -> None:
     output = tmp_path / "soak.json"
     command = [
@@ -60,9 +76,9 @@ def test_a_short_soak_survives_every_fault(tmp_path: Path) -> None:
     result = json.loads(output.read_text())
     faults = result["faults"]
     assert result["faults_injected"] >= 4, printed.decode()
-    assert result["faults_survived"] == result["faults_injected"], faults
+    assert result["faults_survived"] == result["faults_injected"], diagnosis(result, tmp_path)
     assert all(f["dead_unix"] is not None and f["resumed_unix"] is not None for f in faults)
-    assert result["hangs"] == 0 and result["not_steady"] == 0, result
+    assert result["hangs"] == 0 and result["not_steady"] == 0, diagnosis(result, tmp_path)
     run = result["run"]
     assert run["status"] == "completed" and run["exit_code"] == 0, run
     assert run["test_accuracy"] >= 0.9, run
