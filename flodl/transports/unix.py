@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import stat
 
 import trio
@@ -90,11 +91,10 @@ class UnixTransport:
         path = _socket_path(address)
         with map_exceptions(SOCKET_ERRORS, f"cannot listen on {address.url}"):
             for _ in range(_BIND_ATTEMPTS):
-                sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+                await trio.lowlevel.checkpoint()
                 try:
-                    await sock.bind(path)
+                    sock = _bound_socket(path)
                 except OSError as exc:
-                    sock.close()
                     if exc.errno != errno.EADDRINUSE:
                         raise
                     await _remove_if_stale(path, address.url)
@@ -108,6 +108,25 @@ class UnixTransport:
                     _unlink_quietly(path)
                     raise
         raise AddressInUse(f"cannot listen on {address.url}: the socket file keeps reappearing")
+
+
+def _bound_socket(path: str) -> trio.socket.SocketType:
+    """A Unix stream socket bound to ``path``, bound in this thread; nothing left open if the
+    bind fails.
+
+    trio's own ``bind`` of a Unix socket runs in a worker thread (a path on a slow file system
+    could block). On a run folder or a temporary folder the bind is one quick syscall, and a
+    thread would make every listener's start depend on thread scheduling: under trio's
+    autojumping test clock the clock jumps while the thread runs, past whatever deadline comes
+    next (a coordinator's join timeout).
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.socket.from_stdlib_socket(sock)
 
 
 async def _remove_if_stale(path: str, url: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -186,7 +186,11 @@ async def rank_through(link: AgentLink, rank: int, world: int = WORLD) -> Channe
 async def test_ranks_reach_the_coordinator_through_their_agents_one_connection(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
-    async with coordinator() as coord, carrying_agent(coord, 0, 2, tmp_path / "a", KEY) as first:
+    async with (
+        coordinator() as coord,
+        AsyncExitStack() as closing,  # the ranks' channels, also when an assertion fails
+        carrying_agent(coord, 0, 2, tmp_path / "a", KEY) as first,
+    ):
         async with carrying_agent(coord, 1, 2, tmp_path / "b", KEY) as second:
             ranks = [
                 await rank_through(first, 0),
@@ -194,6 +198,8 @@ async def test_ranks_reach_the_coordinator_through_their_agents_one_connection(
                 await rank_through(second, 2),
                 await rank_through(second, 3),
             ]
+            for channel in ranks:
+                closing.push_async_callback(channel.aclose)
             for channel in ranks:  # the coordinator's first word, through the tunnel
                 assert isinstance(await channel.receive(), RunSettings)
             assert coord.connected_ranks == {0, 1, 2, 3}
@@ -210,8 +216,6 @@ async def test_ranks_reach_the_coordinator_through_their_agents_one_connection(
         with pytest.raises(ChannelClosed):
             while True:
                 await ranks[2].receive()
-        for channel in ranks:
-            await channel.aclose()
 
 
 async def test_a_rank_through_another_nodes_agent_is_refused(

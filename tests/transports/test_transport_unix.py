@@ -132,3 +132,18 @@ async def test_streams_support_half_close(sock_path: Path) -> None:
             assert await server.receive_some() == b""
             await server.send_all(b"still open")
             assert await client.receive_some() == b"still open"
+
+
+async def test_listening_takes_no_time_on_the_autojumping_clock(
+    autojump_clock: trio.testing.MockClock, sock_path: Path
+) -> None:
+    """No worker thread in a listener's start: on this clock a thread's run lets the clock
+    jump to the next deadline (here 300 s, a coordinator's join timeout in the agent tests)."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.sleep, 300)
+        started = trio.current_time()
+        for attempt in range(20):
+            async with await open_listener(f"unix://{sock_path}{attempt}"):
+                pass
+        assert trio.current_time() == started
+        nursery.cancel_scope.cancel()
