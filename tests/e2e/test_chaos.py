@@ -349,6 +349,7 @@ async def test_outer_state_stays_identical_through_a_sigkill_reformation(tmp_pat
     assert later, "no round on the re-formed group"
 
 
+@pytest.mark.long
 async def test_a_restarted_rank_takes_the_outer_state_of_the_others(tmp_path: Path) -> None:
     run = await chaos_run(
         tmp_path / "run",
@@ -388,6 +389,7 @@ async def test_sigstopped_rank_is_declared_dead_by_heartbeat(tmp_path: Path) -> 
 # --- saves instead of going on --------------------------------------------------------------------
 
 
+@pytest.mark.long
 async def test_down_to_one_survivor_saves_then_resumes_with_three(tmp_path: Path) -> None:
     first = await chaos_run(tmp_path / "first", 3, ["1:kill-after-sync:3", "2:kill-after-sync:3"])
     summary = first.summary
@@ -398,13 +400,19 @@ async def test_down_to_one_survivor_saves_then_resumes_with_three(tmp_path: Path
     assert_deaths(first, {1: "disconnected", 2: "disconnected"})
     assert summary["ranks"][0]["exit_code"] == 0
     assert first.report(0)["exit_reason"] == "shutdown_with_save:SINGLE_SURVIVOR"
-    # Both died after their 3rd round. The survivor completed the first two with them; the
-    # 3rd landed on it too, or failed there when the killed peers' connections reset with
-    # their last bytes unread (then its redo found no one to average with).
-    assert first.recorded(1) == first.recorded(2)
-    assert len(first.recorded(1)) == 3
-    assert first.recorded(0)[:2] == first.recorded(1)[:2]
-    assert first.recorded(0)[2:3] in ([], first.recorded(1)[2:3])
+    # Both died after their 3rd round; all three completed the first two together. The 3rd
+    # (generation 0) can land on one rank and fail on another: a rank that has its result
+    # kills itself at once, and a peer still reading its last bytes sees the connection
+    # reset. So rank 1 either has rank 2's 3rd round or redid it with rank 0 in generation
+    # 1 (rank 2 died first), and rank 0 has one of those two or none (both died before it
+    # landed there, and its redo found no one to average with).
+    recorded = {rank: first.recorded(rank) for rank in range(3)}
+    assert len(recorded[1]) == len(recorded[2]) == 3
+    assert recorded[0][:2] == recorded[1][:2] == recorded[2][:2]
+    third = {rank: rounds[2:3] for rank, rounds in recorded.items()}
+    assert third[2][0][0] == 0
+    assert third[1] == third[2] or third[1][0][0] == 1, third
+    assert third[0] in ([], third[1], third[2]), third
     bundle_meta = sorted((first.run_dir / "checkpoints" / "rank0").glob("*.meta.json"))
     assert bundle_meta, "the survivor saved no bundle"
     saved = json.loads(bundle_meta[-1].read_text())
