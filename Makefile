@@ -34,8 +34,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The suite on two workers (pytest-xdist): on the 2-core CI machine two keep both cores busy,
+# three only add contention. --dist loadgroup hands tests out one at a time in the order
+# tests/conftest.py sets, the longest first, and keeps an xdist_group (tests sharing one
+# costly fixture) on one worker. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+
 unit: $(STAMP) test-packages
-	$(BIN)/python -m pytest -q --durations=20
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=20
 
 test: lint typecheck unit
 

@@ -12,6 +12,7 @@ import pytest
 from tests.backends.harness import ROOT
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_thirty_two_rank_jobs_all_exit_zero() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -118,6 +118,7 @@ def curve_ok(run: dict[str, Any], budget_s: float) -> None:
     assert run["loss_at_budget"] == curve[-1]["loss"] < curve[0]["loss"]  # it trained
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_quick_run_writes_the_results(tmp_path: Path) -> None:
     output = tmp_path / "quality.json"

@@ -82,6 +82,7 @@ def test_summary_per_n_keeps_medians_ranges_and_targets() -> None:
     assert out["targets"]["sigstop_recovery_s_max"] == pytest.approx(2.5)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_quick_run_writes_every_n(tmp_path: Path) -> None:
     output = tmp_path / "recovery.json"

@@ -100,6 +100,7 @@ def test_window_and_overhead_summary() -> None:
     assert summary["bf16_round_ratio"] == 0.5  # 0.5, 0.5, 0.5
 
 
+@pytest.mark.long
 def test_quick_run_writes_the_results(tmp_path: Path) -> None:
     output = tmp_path / "training.json"
     command = [sys.executable, str(BENCH_DIR / "training_bench.py"), "--quick", "--output"]

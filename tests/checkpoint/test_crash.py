@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import attrs
+import pytest
 import torch
 import trio
 
@@ -137,6 +138,8 @@ async def kill_a_saver(directory: Path, first_step: int, delay: float) -> list[i
     return [int(line.split()[1]) for line in lines if line.startswith("saved ")]
 
 
+@pytest.mark.long
+@pytest.mark.slow
 async def test_sigkill_during_saves_never_leaves_a_broken_latest(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     ledger = Ledger()

@@ -38,6 +38,7 @@ def _rank_pids(launcher: subprocess.Popen[str]) -> list[int]:
     return rank_pids(launcher.pid)
 
 
+@pytest.mark.long
 def test_a_sigkilled_launcher_leaves_every_rank_saved_and_the_run_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     launcher = _launch(run_dir, 3, "--epochs", "30")

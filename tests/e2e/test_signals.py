@@ -199,6 +199,7 @@ def test_a_signal_to_the_launcher_alone_saves(tmp_path: Path, signum: signal.Sig
     assert_saved_by_every_rank(launcher, 2, signum.name)
 
 
+@pytest.mark.long
 def test_a_second_ctrl_c_kills_and_the_summary_says_what_was_not_saved(tmp_path: Path) -> None:
     script = tmp_path / "stuck.py"
     script.write_text(STUCK_RANK)

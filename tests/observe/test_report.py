@@ -221,6 +221,7 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield run_dir
 
 
+@pytest.mark.xdist_group("killed_run")  # one worker runs the shared run once
 @pytest.mark.slow
 def test_the_report_of_a_run_with_a_death(killed_run: Path) -> None:
     index = killed_run / "report" / "index.html"
@@ -235,6 +236,7 @@ def test_the_report_of_a_run_with_a_death(killed_run: Path) -> None:
     assert "gen 1 [0,1]" in timeline and "regroups (1)" in timeline
 
 
+@pytest.mark.xdist_group("killed_run")  # one worker runs the shared run once
 @pytest.mark.slow
 def test_the_event_log_of_a_run_with_a_death(killed_run: Path) -> None:
     log = read_events(killed_run / "events.jsonl")
@@ -283,6 +285,7 @@ def test_the_event_log_of_a_run_with_a_death(killed_run: Path) -> None:
     assert ends[-1]["global_step"] == summary["global_step"]
 
 
+@pytest.mark.xdist_group("killed_run")  # one worker runs the shared run once
 @pytest.mark.slow
 def test_the_tensorboard_export_of_a_run_with_a_death(killed_run: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -63,6 +63,7 @@ def test_a_config_built_in_code_is_checked_whole() -> None:
         adopt(config, THEIRS)
 
 
+@pytest.mark.slow
 def test_flodl_worker_takes_the_policy_and_seed_and_refuses_a_contradiction(
     tmp_path: Path,
 ) -> None:
