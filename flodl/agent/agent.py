@@ -29,8 +29,8 @@ from flodl.host.console import say
 from flodl.host.environment import RankEnv, rank_process_environment, write_session_key
 from flodl.host.torchrun_env import TorchrunLayout
 from flodl.supervise.exits import exit_text
-from flodl.supervise.ranks import RankHandle, RestartBudget, Supervision, start_rank_process
-from flodl.supervise.warm import WarmStarter, warm_starter_if
+from flodl.supervise.ranks import RankStarter, RestartBudget, Supervision
+from flodl.supervise.warm import warm_starter_if
 from flodl.transports.reach import host_of
 
 __all__ = ["AgentResult", "agent_rank_environment", "run_agent"]
@@ -147,15 +147,10 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
         url = link.tunnels.url
         return agent_rank_environment(config, assignment, local_rank, key_file, restart_count, url)
 
-    warm: WarmStarter | None = None
-
-    async def start_rank(rank: int, restart_count: int) -> RankHandle:
-        argv = [config.python, config.script, *config.script_args]
-        return await start_rank_process(warm, argv, environment(rank, restart_count))
-
+    starter = RankStarter([config.python, config.script, *config.script_args], environment)
     host = HostRanks(
         assignment.ranks,
-        start_rank,
+        starter,
         supervision,
         exit_grace=config.exit_grace,
         kill_says=("kill this host's ranks", "killing this host's ranks"),
@@ -174,8 +169,8 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
 
     common = environment(assignment.first_rank, 0)  # what the warm-start helper imports in
     try:
-        async with warm_starter_if(config.warm_start, config.python, common) as starter:
-            warm = starter
+        async with warm_starter_if(config.warm_start, config.python, common) as helper:
+            starter.warm = helper
             async with trio.open_nursery() as nursery:
                 await nursery.start(carry_ranks)
                 nursery.start_soon(carry_link)

@@ -40,8 +40,8 @@ from flodl.launch.summary import SUMMARY_NAME, build_summary
 from flodl.observe.events import EVENTS_NAME
 from flodl.observe.hub import open_observer
 from flodl.observe.views import run_views
-from flodl.supervise.ranks import RankHandle, Supervision, start_rank_process
-from flodl.supervise.warm import WarmStarter, warm_starter_if
+from flodl.supervise.ranks import RankStarter, Supervision
+from flodl.supervise.warm import warm_starter_if
 
 
 def rank_environment(
@@ -152,17 +152,12 @@ async def _launch(
             url = coordinator.url
             return rank_environment(config, rank, url, key_file, master_port, resume, restart_count)
 
-        warm: WarmStarter | None = None
-
-        async def start_rank(rank: int, restart_count: int) -> RankHandle:
-            argv = [config.python, config.script, *config.script_args]
-            return await start_rank_process(warm, argv, environment(rank, restart_count))
-
+        starter = RankStarter([config.python, config.script, *config.script_args], environment)
         # The host's ranks, run by the node agent's own code with the coordinator in this
         # process as its link: one supervision for one host and for many.
         host = HostRanks(
             range(config.nproc),
-            start_rank,
+            starter,
             supervision,
             exit_grace=config.exit_grace,
             kill_says=("kill them", "killing the ranks"),
@@ -170,8 +165,8 @@ async def _launch(
         observing = open_observer(coordinator, run_dir, (trio_start, clock_unix))
         # Every rank's environment but for its number: what the warm-start helper imports in.
         warming = warm_starter_if(config.warm_start, config.python, environment(0, 0))
-        async with observing as observer, warming as starter, trio.open_nursery() as nursery:
-            warm = starter
+        async with observing as observer, warming as helper, trio.open_nursery() as nursery:
+            starter.warm = helper
             view = observer.view
             dashboard = await nursery.start(run_views, observer, config.views)
             if dashboard is not None and config.echo:

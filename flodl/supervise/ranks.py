@@ -29,6 +29,7 @@ __all__ = [
     "LOST_RANK_GRACE",
     "RankHandle",
     "RankProcess",
+    "RankStarter",
     "RestartBudget",
     "Supervision",
     "kill_rank_groups",
@@ -127,6 +128,22 @@ async def start_rank_process(
         except WarmStartError as err:
             say(f"flodl: {err}; starting the rank cold")
     return await open_rank_process(argv, env)
+
+
+@attrs.define
+class RankStarter:
+    """Starts a host's rank processes, as :class:`~flodl.agent.host_ranks.HostRanks` asks
+    (a rank and its restart count): :attr:`argv` with :attr:`environment`'s variables, forked
+    by :attr:`warm` while it is set (:func:`start_rank_process`)."""
+
+    argv: Sequence[str]
+    environment: Callable[[int, int], dict[str, str]]
+    """A rank's variables, given its rank and restart count."""
+    warm: WarmStarter | None = None
+    """The warm-start helper, once it is up (None: ranks start cold)."""
+
+    async def __call__(self, rank: int, restart_count: int) -> RankHandle:
+        return await start_rank_process(self.warm, self.argv, self.environment(rank, restart_count))
 
 
 async def relay_output(rank: int, stream: trio.abc.ReceiveStream, echo: bool, log: Path) -> None:

@@ -93,6 +93,14 @@ class WarmProcess:
             os.close(self._pidfd)
             self._exited.set()
 
+    async def orphaned(self) -> None:
+        """The helper is gone, so no exit status will come: wait until the pidfd says the
+        process has exited and count it as failed (1). Safe to cancel."""
+        if self.returncode is None:
+            with contextlib.suppress(OSError):
+                await trio.lowlevel.wait_readable(self._pidfd)
+            self.exited(1)
+
 
 RankHandle = trio.Process | WarmProcess
 """A rank's process: started cold (:func:`~flodl.supervise.ranks.open_rank_process`) or forked
@@ -173,7 +181,7 @@ class WarmStarter:
         counts as failed (1) once its pidfd says it has exited."""
         async with trio.open_nursery() as nursery:
             for process in list(self._by_pid.values()):
-                nursery.start_soon(_orphan_exit, process)
+                nursery.start_soon(process.orphaned)
         self._by_pid.clear()
 
     def close(self) -> None:
@@ -185,12 +193,6 @@ class WarmStarter:
     def release(self) -> None:
         """Close this end of the socket (after :meth:`read_loop` ended)."""
         self._sock.close()
-
-
-async def _orphan_exit(process: WarmProcess) -> None:
-    with contextlib.suppress(OSError):
-        await trio.lowlevel.wait_readable(process._pidfd)
-    process.exited(1)
 
 
 def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
