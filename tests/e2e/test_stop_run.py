@@ -88,10 +88,13 @@ def test_max_time_ends_the_training_after_its_budget(tmp_path: Path) -> None:
     summary = flodl_run(run_dir, "--max-time", "3")
     assert summary["message"] == "the time budget (3 s of training) is spent"
     assert_one_model(run_dir)
-    # Lock-step DDP would wait for the 2.5x-slower rank at every batch.
+    # Lock-step DDP's estimate: the same batches at the slowest rank's pace (whether it comes
+    # out above 1 here depends on how busy the machine is: a figure for the benchmarks).
     estimate = summary["versus_ddp"]
     assert estimate["batches"] == sum(r["batches"] for r in summary["ranks"])
-    assert estimate["speedup_vs_ddp"] > 1.0
+    ddp_s = estimate["batches"] / 2 * estimate["slowest_step_s"]
+    assert estimate["ddp_estimated_s"] == pytest.approx(ddp_s, rel=1e-3, abs=1e-3)
+    assert estimate["speedup_vs_ddp"] == pytest.approx(ddp_s / estimate["flodl_s"], rel=1e-2)
     # The summary's idle and averaging shares are the live table's: the run's events folded
     # the same way give the same figures.
     view = RunView(2)
