@@ -99,7 +99,7 @@ def test_quick_run_writes_every_n(tmp_path: Path) -> None:
     assert set(result["by_nproc"]) == {"3"}
     for name in ("sigkill", "sigstop"):
         [trial] = result["by_nproc"]["3"]["trials"][name]
-        assert trial["fault_happened"] is True
-        assert trial["status"] == "completed"
+        assert trial["fault_happened"] is True, trial
+        assert trial["status"] == "completed", trial
         assert trial["load_before"] is not None and trial["load_after"] is not None
         assert f"{name}_recovery_s_median" in result  # the keys docs/benchmarks.md quotes
