@@ -34,10 +34,6 @@ def _launch(run_dir: Path, nproc: int, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def _rank_pids(launcher: subprocess.Popen[str]) -> list[int]:
-    return rank_pids(launcher.pid)
-
-
 @pytest.mark.long
 def test_a_sigkilled_launcher_leaves_every_rank_saved_and_the_run_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -60,7 +56,7 @@ def test_a_sigkilled_launcher_leaves_every_rank_saved_and_the_run_resumes(tmp_pa
                 break
         else:
             raise AssertionError("".join(seen))
-        ranks = _rank_pids(launcher)
+        ranks = rank_pids(launcher.pid)
         assert len(ranks) == 3
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.communicate()
