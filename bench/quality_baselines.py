@@ -1,7 +1,12 @@
-"""The baselines of the time-to-quality bench: ``solo`` and ``ddp``, one process per rank.
+"""The baselines of the time-to-quality bench: ``solo``, ``solo+busy`` and ``ddp``.
 
 * ``solo``: the fast rank alone, a plain single process (what a user would run instead):
   batches of the workload's size in the order of :func:`quality_task.sample_order`.
+* ``solo+busy`` (:func:`run_busy_solo`): the same solo process, with the layout's other ranks
+  beside it as *neighbours* that train the workload at their speeds (the slow one slowed) and
+  are discarded: the fast rank alone on a machine as busy as the multi-rank runs make it. On a
+  machine whose ranks share cores, memory bandwidth and caches, it tells what the machine's
+  contention costs apart from what the training algorithm gains.
 * ``ddp``: torch ``DistributedDataParallel`` over gloo, lock-step, ``world`` processes with the
   same slow rank as the flodl runs. Each step every rank trains its slice of a global batch
   (the workload's batch size per rank, the epoch's order shared, as a ``DistributedSampler``
@@ -73,6 +78,20 @@ def solo_main(spec: RunSpec) -> None:
                     spec, clock, steps=steps, samples=steps * size, epochs=epoch, train_loss=loss
                 )
                 return
+        epoch += 1
+
+
+def neighbour_main(spec: RunSpec, rank: int) -> None:
+    """Train as rank ``rank`` would (its speed, its slice of each batch), never evaluate,
+    never stop: the harness kills it once the solo process beside it has its result."""
+    write_pid(spec, f"neighbour{rank}")
+    torch.set_num_threads(1)
+    task = build_task(spec.workload, spec.seed)
+    factor, size, epoch = spec.factor(rank), task.batch_size, 0
+    while True:
+        order = sample_order(task.dataset_size, epoch, spec.seed + rank)
+        for first in range(0, len(order) - size + 1, size):
+            train_step(task, order[first : first + size], factor)
         epoch += 1
 
 
@@ -153,11 +172,23 @@ def wait_for_result(processes: Processes, spec: RunSpec, what: str) -> dict[str,
 
 def run_solo(spec: RunSpec, folder: Path) -> dict[str, Any]:
     """One solo run; its result, command line and pids."""
-    command = [sys.executable, str(HERE), "solo", *spec.args()]
+    return run_busy_solo(spec, 1, folder)
+
+
+def run_busy_solo(spec: RunSpec, world: int, folder: Path) -> dict[str, Any]:
+    """One solo run beside ``world - 1`` neighbours (ranks 1.., ``spec``'s slow rank slowed);
+    its result, the command lines and pids. ``world`` 1 is the plain solo run."""
+    solo = [sys.executable, str(HERE), "solo", *spec.args()]
+    neighbours = [
+        [sys.executable, str(HERE), "neighbour", f"--rank={rank}", *spec.args()]
+        for rank in range(1, world)
+    ]
     with Processes() as processes:
-        processes.start(command, folder / "solo.log")
+        processes.start(solo, folder / "solo.log")  # children[0]: the one with the result
+        for rank, command in enumerate(neighbours, start=1):
+            processes.start(command, folder / f"neighbour{rank}.log")
         result = wait_for_result(processes, spec, "solo")
-    return {"result": result, "commands": [command], "pids": processes.pids}
+    return {"result": result, "commands": [solo, *neighbours], "pids": processes.pids}
 
 
 def run_ddp(spec: RunSpec, world: int, folder: Path) -> dict[str, Any]:
@@ -177,14 +208,18 @@ def run_ddp(spec: RunSpec, world: int, folder: Path) -> dict[str, Any]:
 
 def main(argv: Sequence[str]) -> int:
     spec, rest = parse_spec(argv)
-    parser = argparse.ArgumentParser(description="a solo or DDP process of the quality bench")
-    parser.add_argument("mode", choices=("solo", "ddp"))
+    parser = argparse.ArgumentParser(
+        description="a solo, neighbour or DDP process of the quality bench"
+    )
+    parser.add_argument("mode", choices=("solo", "neighbour", "ddp"))
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(rest)
     if args.mode == "solo":
         solo_main(spec)
+    elif args.mode == "neighbour":
+        neighbour_main(spec, args.rank)
     else:
         ddp_main(spec, args.rank, args.world, args.port)
     return 0

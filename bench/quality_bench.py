@@ -18,6 +18,8 @@ thread per process, gloo on CPU, everything on 127.0.0.1.
 **Variants** (:data:`VARIANTS`, ``--variants``), each run for every workload and layout:
 
 * ``solo``: the fast rank alone, a plain single process (the user's alternative);
+* ``solo+busy``: the same, with the layout's other ranks training beside it and discarded
+  (:mod:`quality_baselines`): what the machine's contention alone costs the fast rank;
 * ``ddp``: torch ``DistributedDataParallel`` (gloo), lock-step, the same layout
   (:mod:`quality_baselines`);
 * flodl through the real CLI, ``flodl run --nproc N --backend gloo <flags>
@@ -87,7 +89,7 @@ from typing import Any
 import attrs
 import benchenv
 from benchenv import load
-from quality_baselines import deadline_s, run_ddp, run_solo
+from quality_baselines import deadline_s, run_busy_solo, run_ddp, run_solo
 from quality_plot import plot
 from quality_procs import Processes, alive, pids_in
 from quality_task import WORKLOADS, RunSpec, corpus_info
@@ -108,7 +110,7 @@ class Variant:
 
     name: str
     kind: str
-    """``solo``, ``ddp``, ``flodl`` or ``torchft``."""
+    """``solo``, ``busy-solo``, ``ddp``, ``flodl`` or ``torchft``."""
     flodl_args: tuple[str, ...] = ()
     description: str = ""
     peer: str = ""
@@ -117,6 +119,11 @@ class Variant:
 
 VARIANTS: tuple[Variant, ...] = (
     Variant("solo", "solo", description="the fast rank alone, one plain process"),
+    Variant(
+        "solo+busy",
+        "busy-solo",
+        description="the fast rank alone beside the layout's other ranks training (discarded)",
+    ),
     Variant("ddp", "ddp", description="torch DistributedDataParallel (gloo), lock-step"),
     Variant("sync", "flodl", ("--policy", "sync"), "flodl, one batch per rank per round"),
     Variant("cadence", "flodl", ("--policy", "cadence"), "flodl, ElChe windows"),
@@ -313,6 +320,7 @@ def run_one(
     """One run of ``variant``, with its load averages, date and wall time; errors recorded."""
     runners: dict[str, Callable[[], dict[str, Any]]] = {
         "solo": lambda: run_solo(spec, folder),
+        "busy-solo": lambda: run_busy_solo(spec, nproc, folder),
         "ddp": lambda: run_ddp(spec, nproc, folder),
         "flodl": lambda: run_flodl(variant, spec, nproc, folder),
         "torchft": lambda: run_peer(variant, spec, nproc, folder),

@@ -36,7 +36,7 @@ COLOURS = (
     "#bcbd22",
     "#aec7e8",
 )
-STYLES = {"solo": "-.", "ddp": "-."}
+STYLES = {"solo": "-.", "solo+busy": "-.", "ddp": "-."}
 """Line styles by variant name (``torchft-*``: dotted; the rest, flodl's: solid)."""
 
 
