@@ -40,25 +40,33 @@ FD_VAR = "FLODL_ZYGOTE_FD"
 PRELOAD = (
     "torch",
     "torch.distributed",
+    "torch._dynamo",
     "numpy",
     "flodl.worker",
     "flodl.backends.gloo",
+    "numba",
+    "flodl.averaging._fused",
     "setproctitle",
 )
-"""What the helper imports before its first fork: what every rank imports first."""
+"""What the helper imports before its first fork: what every rank imports first. Beyond the
+rank's own imports: ``torch._dynamo``, which a rank's first optimizer imports (a second of CPU),
+and numba with flodl's averaging loops, which its first group loads (their machine code still
+loads in the rank, from numba's disk cache; running it here would start a thread before the
+forks)."""
 
 MAX_MESSAGE = 1 << 20
 """The largest request the helper reads (an environment of a few hundred variables)."""
 
 
 def preload() -> None:
-    """Import :data:`PRELOAD` (a module this install lacks is left to the rank to miss)."""
+    """Import :data:`PRELOAD` (a module this install lacks, or cannot import, is left to the
+    rank to miss or to report)."""
     import importlib
 
     for name in PRELOAD:
         try:
             importlib.import_module(name)
-        except ImportError:
+        except Exception:
             pass
 
 
