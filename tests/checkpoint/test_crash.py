@@ -1,11 +1,12 @@
 """A save killed at a random moment never leaves a broken latest checkpoint.
 
-A real subprocess (crash_saver.py) saves ~16 MiB bundles in a loop, rotating over three stems,
-and is SIGKILLed at random moments, over and over in the same directory: at least 10 times,
-and until 3 kills caught a save in the middle of changing files (about a third of the kills
-do), at most 30 times. After every kill, loading the directory must give a complete bundle
-whose tensors all belong to one save and which is at least as new as every bundle known to be
-intact, or, while no bundle can exist, a CheckpointError saying there is none.
+A real process (crash_saver.py, forked from a warm-start helper that has torch imported)
+saves ~16 MiB bundles in a loop, rotating over three stems, and is SIGKILLed at random moments,
+over and over in the same directory: at least 10 times, and until 3 kills caught a save in the
+middle of changing files (about a third of the kills do), at most 30 times. After every kill,
+loading the directory must give a complete bundle whose tensors all belong to one save and which
+is at least as new as every bundle known to be intact, or, while no bundle can exist, a
+CheckpointError saying there is none.
 
 What "known to be intact" means: a bundle whose save the child reported done, unless a later
 save under the same stem started since. The save a kill interrupted may have completed (before
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +28,7 @@ import trio
 from flodl.checkpoint import find_latest, load_bundle
 from flodl.checkpoint.files import TEMP_MARKER
 from flodl.errors import CheckpointError
+from flodl.supervise.warm import WarmStarter, open_warm_starter
 
 SAVER = Path(__file__).with_name("crash_saver.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +37,7 @@ MIN_TRIES = 10
 MAX_TRIES = 30
 WANTED_INTERRUPTIONS = 3
 SEED = 20240611
+SAVER_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 @attrs.define
@@ -112,15 +114,13 @@ def traces_of_an_interrupted_save(directory: Path) -> bool:
     return half_written or data_without_meta
 
 
-async def kill_a_saver(directory: Path, first_step: int, delay: float) -> list[int]:
-    """Run a saver from ``first_step``, SIGKILL it ``delay`` s after it is ready; its saves."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = await trio.lowlevel.open_process(
-        [sys.executable, str(SAVER), str(directory), str(first_step)],
-        stdout=subprocess.PIPE,
-        env=env,
-        cwd=ROOT,
-    )
+async def kill_a_saver(
+    warm: WarmStarter, directory: Path, first_step: int, delay: float
+) -> list[int]:
+    """Fork a saver from ``first_step`` (``warm``: torch is imported already), SIGKILL it
+    ``delay`` s after it is ready; its saves."""
+    argv = [sys.executable, str(SAVER), str(directory), str(first_step)]
+    proc = await warm.start(argv, SAVER_ENV, cwd=str(ROOT))
     assert proc.stdout is not None
     out = bytearray()
     try:
@@ -145,23 +145,24 @@ async def test_sigkill_during_saves_never_leaves_a_broken_latest(tmp_path: Path)
     ledger = Ledger()
     interruptions = completed = attempt = 0
     loaded: int | None = None
-    while attempt < MIN_TRIES or (interruptions < WANTED_INTERRUPTIONS and attempt < MAX_TRIES):
-        first_step = attempt * 1000
-        # The first saver is killed almost at once, usually before any save completes.
-        delay = rng.uniform(0.0, 0.02) if attempt == 0 else rng.uniform(0.0, 0.6)
-        saves = await kill_a_saver(tmp_path, first_step, delay)
-        assert saves == list(range(first_step, first_step + len(saves)))
-        for step in saves:
-            ledger.saved(step)
-        in_progress = first_step + len(saves)
-        ledger.interrupted(in_progress)
-        interruptions += traces_of_an_interrupted_save(tmp_path)
-        completed += len(saves)
+    async with open_warm_starter(sys.executable, SAVER_ENV) as warm:
+        while attempt < MIN_TRIES or (interruptions < WANTED_INTERRUPTIONS and attempt < MAX_TRIES):
+            first_step = attempt * 1000
+            # The first saver is killed almost at once, usually before any save completes.
+            delay = rng.uniform(0.0, 0.02) if attempt == 0 else rng.uniform(0.0, 0.6)
+            saves = await kill_a_saver(warm, tmp_path, first_step, delay)
+            assert saves == list(range(first_step, first_step + len(saves)))
+            for step in saves:
+                ledger.saved(step)
+            in_progress = first_step + len(saves)
+            ledger.interrupted(in_progress)
+            interruptions += traces_of_an_interrupted_save(tmp_path)
+            completed += len(saves)
 
-        loaded = load_and_check(tmp_path, *ledger.allowed(in_progress))
-        if loaded is not None:
-            ledger.confirm(loaded)
-        attempt += 1
+            loaded = load_and_check(tmp_path, *ledger.allowed(in_progress))
+            if loaded is not None:
+                ledger.confirm(loaded)
+            attempt += 1
     assert completed > 0, "no save ever completed: the kill delays are too short"
     assert loaded is not None
     assert interruptions >= WANTED_INTERRUPTIONS, f"only {interruptions} kills landed mid-save"
