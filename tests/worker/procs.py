@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import BinaryIO
 
 import trio
+
+from flodl.supervise.warm import RankHandle, open_warm_starter
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits.py"
@@ -62,7 +65,7 @@ def rank_env(
     return env
 
 
-async def read_until(process: trio.Process, text: bytes, seen: bytearray) -> None:
+async def read_until(process: RankHandle, text: bytes, seen: bytearray) -> None:
     """Read ``process``'s stdout into ``seen`` until ``text`` shows up (EOFError if it ends)."""
     assert process.stdout is not None
     while text not in seen:
@@ -75,40 +78,65 @@ async def read_until(process: trio.Process, text: bytes, seen: bytearray) -> Non
 @asynccontextmanager
 async def spawn(
     commands: Sequence[tuple[list[str], dict[str, str], Path | None]],
-) -> AsyncIterator[list[trio.Process]]:
+) -> AsyncIterator[list[RankHandle]]:
     """Start one process per ``(argv, env, log)``: output to ``log``, or a pipe when None.
 
-    On exit every process still running is killed, and every process is reaped.
+    A script (``[python, script, *args]``) is forked by a warm-start helper that has torch
+    imported (one per call, in the first script's environment); a module (``-m``) starts cold.
+    Either way each is a process of its own, with its own output. On exit every process still
+    running is killed, every process is reaped, and the helper is gone.
     """
-    processes: list[trio.Process] = []
+    scripts = [env for argv, env, _ in commands if not argv[1].startswith("-")]
+    processes: list[RankHandle] = []
     logs = []
     try:
-        for argv, env, log in commands:
-            if log is None:
-                out: int | object = subprocess.PIPE
-            else:
-                handle = open(log, "wb")
-                logs.append(handle)
-                out = handle
-            process = await trio.lowlevel.open_process(
-                argv,
-                env=env,
-                cwd=ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=out,  # type: ignore[arg-type]
-                stderr=subprocess.STDOUT,
-            )
-            processes.append(process)
-        yield processes
+        async with AsyncExitStack() as stack:
+            warm = None
+            if scripts:
+                helper = open_warm_starter(sys.executable, scripts[0])
+                warm = await stack.enter_async_context(helper)
+            relays = await stack.enter_async_context(trio.open_nursery())
+            try:
+                for argv, env, log in commands:
+                    handle = None if log is None else open(log, "wb")
+                    if handle is not None:
+                        logs.append(handle)
+                    if warm is not None and not argv[1].startswith("-"):
+                        process: RankHandle = await warm.start(argv, env, cwd=str(ROOT))
+                        if handle is not None:
+                            assert process.stdout is not None
+                            relays.start_soon(copy_output, process.stdout, handle)
+                            process.stdout = None
+                    else:
+                        out: int | object = subprocess.PIPE if handle is None else handle
+                        process = await trio.lowlevel.open_process(
+                            argv,
+                            env=env,
+                            cwd=ROOT,
+                            stdin=subprocess.DEVNULL,
+                            stdout=out,  # type: ignore[arg-type]
+                            stderr=subprocess.STDOUT,
+                        )
+                    processes.append(process)
+                yield processes
+            finally:
+                with trio.CancelScope(shield=True):
+                    for process in processes:
+                        if process.returncode is None:
+                            process.kill()
+                    for process in processes:
+                        await process.wait()
     finally:
-        with trio.CancelScope(shield=True):
-            for process in processes:
-                if process.returncode is None:
-                    process.kill()
-            for process in processes:
-                await process.wait()
-            for handle in logs:
-                handle.close()
+        for handle in logs:
+            handle.close()
+
+
+async def copy_output(stream: trio.abc.ReceiveStream, sink: BinaryIO) -> None:
+    """Write what ``stream`` brings to ``sink`` until it ends (the process exited)."""
+    async with stream:
+        async for chunk in stream:
+            sink.write(chunk)
+            sink.flush()
 
 
 def digits_command(*args: str) -> list[str]:
