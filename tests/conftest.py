@@ -6,15 +6,17 @@ out one at a time in this order), so a scenario of 20 s or more starts at once a
 tests fill the other worker around it, instead of one starting last and running alone while
 the other worker sits idle. Serially the order changes nothing a test can see.
 
-Before the run, the project's sources are compiled to ``__pycache__`` (once, in the process that
-hands the tests out): the suite starts hundreds of Python processes that import flodl, and where
-``PYTHONDONTWRITEBYTECODE`` is set none of them would save its bytecode, so each would compile
-what it imports again.
+The suite keeps bytecode where ``PYTHONDONTWRITEBYTECODE`` is set too: it starts hundreds of
+Python processes that import flodl, none of which would save its bytecode, so each would compile
+what it imports again. Before the run the process that hands the tests out compiles the
+project's sources to ``__pycache__`` (a second when none is up to date), and every pytest process
+saves the test modules it rewrites (pytest's assertion rewriting), for the next run.
 """
 
 from __future__ import annotations
 
 import compileall
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    sys.dont_write_bytecode = False  # before collection: pytest saves the modules it rewrites
     if not hasattr(config, "workerinput"):  # not in a pytest-xdist worker: once per run
         for folder in SOURCES:
             compileall.compile_dir(ROOT / folder, quiet=1)
