@@ -1,11 +1,12 @@
-"""Spawn rank processes running ``rank_script`` and talk to them (JSON lines). Not tests."""
+"""Fork rank processes running ``rank_script`` and talk to them (JSON lines). Not tests."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
+import socket
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,30 +14,38 @@ from typing import Any
 
 import trio
 
+from flodl.supervise.warm import WarmProcess, open_warm_starter
+
 ROOT = Path(__file__).resolve().parents[2]
+RANK_SCRIPT = Path(__file__).with_name("rank_script.py")
 
 
 class RankProcess:
-    """One spawned rank; :meth:`call` sends a command and returns the JSON reply."""
+    """One spawned rank and its connection; :meth:`call` sends a command and returns the JSON
+    reply."""
 
-    def __init__(self, process: trio.Process) -> None:
+    def __init__(self, process: WarmProcess, stream: trio.SocketStream) -> None:
         self.process = process
+        self.stream = stream
+        self.output = bytearray()
+        """What the rank printed (its stdout and stderr), for a failure's message."""
         self._buffer = b""
 
     async def _read_line(self) -> dict[str, Any]:
-        assert self.process.stdout is not None
         while b"\n" not in self._buffer:
-            chunk = await self.process.stdout.receive_some(65536)
+            chunk = await self.stream.receive_some(65536)
             if not chunk:
-                raise EOFError(f"rank process {self.process.pid} closed its stdout")
+                raise EOFError(
+                    f"rank process {self.process.pid} closed its connection; it printed "
+                    f"{bytes(self.output)!r}"
+                )
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         reply: dict[str, Any] = json.loads(line)
         return reply
 
     async def send(self, **cmd: Any) -> None:
-        assert self.process.stdin is not None
-        await self.process.stdin.send_all((json.dumps(cmd) + "\n").encode())
+        await self.stream.send_all((json.dumps(cmd) + "\n").encode())
 
     async def receive(self, timeout: float = 30.0) -> dict[str, Any]:
         with trio.fail_after(timeout):
@@ -53,41 +62,71 @@ async def spawn_ranks(
 ) -> AsyncIterator[list[RankProcess]]:
     """Start ``count`` rank processes and wait until each is ready; kill and reap them all.
 
-    ``bucket_elements``: each rank's backend option (None: the backend's default).
+    The ranks are forked by a warm-start helper that has torch imported (the imports are paid
+    once, not per rank); each connects to this harness's Unix socket, which carries the
+    commands and replies. ``bucket_elements``: each rank's backend option (None: the
+    backend's default).
     """
     buckets = [] if bucket_elements is None else ["--bucket-elements", str(bucket_elements)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    processes: list[WarmProcess] = []
+    streams: list[trio.SocketStream] = []
     ranks: list[RankProcess] = []
-    try:
-        for _ in range(count):
-            process = await trio.lowlevel.open_process(
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.backends.rank_script",
-                    "--op-timeout",
-                    str(op_timeout),
-                    *buckets,
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                cwd=ROOT,
-                env=env,
-            )
-            ranks.append(RankProcess(process))
-        for rank in ranks:
-            ready = await rank.receive(timeout=60.0)
-            assert ready["ready"] is True
-        yield ranks
-    finally:
-        with trio.CancelScope(shield=True):
-            for rank in ranks:
-                if rank.process.returncode is None:
-                    rank.process.kill()
-                await rank.process.wait()
-                for stream in (rank.process.stdin, rank.process.stdout):
-                    if stream is not None:
+    with tempfile.TemporaryDirectory(prefix="flodl-ranks-") as folder:
+        control = os.path.join(folder, "control")
+        listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        async with open_warm_starter(sys.executable, env) as warm, trio.open_nursery() as outputs:
+            try:
+                await listener.bind(control)
+                listener.listen(count)
+                argv = [sys.executable, str(RANK_SCRIPT), "--control", control]
+                argv += ["--op-timeout", str(op_timeout), *buckets]
+                for _ in range(count):
+                    processes.append(await warm.start(argv, env, cwd=str(ROOT)))
+                with trio.fail_after(60.0):
+                    for _ in range(count):
+                        sock, _ = await listener.accept()
+                        streams.append(trio.SocketStream(sock))
+                    for stream in streams:
+                        ranks.append(await ready_rank(stream, processes))
+                ranks.sort(key=lambda rank: processes.index(rank.process))
+                for rank in ranks:
+                    assert rank.process.stdout is not None
+                    outputs.start_soon(copy_output, rank.process.stdout, rank.output)
+                yield ranks
+            finally:
+                with trio.CancelScope(shield=True):
+                    for process in processes:
+                        if process.returncode is None:
+                            process.kill()
+                        await process.wait()
+                    for stream in streams:
                         await stream.aclose()
+                    listener.close()
+
+
+async def copy_output(stream: trio.abc.ReceiveStream, output: bytearray) -> None:
+    async with stream:
+        async for chunk in stream:
+            output += chunk
+
+
+async def ready_rank(stream: trio.SocketStream, processes: list[WarmProcess]) -> RankProcess:
+    """The rank on ``stream``, once it said it is ready (its pid names which of ``processes``
+    it is)."""
+    buffer = b""
+    while b"\n" not in buffer:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            raise EOFError(f"a rank closed its connection before it was ready: {buffer!r}")
+        buffer += chunk
+    line, rest = buffer.split(b"\n", 1)
+    ready = json.loads(line)
+    assert ready["ready"] is True
+    (process,) = [p for p in processes if p.pid == ready["pid"]]
+    rank = RankProcess(process, stream)
+    rank._buffer = rest
+    return rank
 
 
 async def close_all(ranks: list[RankProcess]) -> list[int]:

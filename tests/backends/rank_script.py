@@ -1,15 +1,17 @@
-"""A rank process for the backend tests: JSON-line commands on stdin, JSON replies on stdout.
+"""A rank process for the backend tests: JSON-line commands and replies on a Unix socket.
 
 Not a test module. Model: params p0 (3,) and p1 (2, 2); buffers b0 float (2,) and b1 an int64
-step counter. Run: ``python -m tests.backends.rank_script --op-timeout 3 [--bucket-elements N]``.
+step counter. Run: ``python tests/backends/rank_script.py --control SOCKET --op-timeout 3
+[--bucket-elements N]``; it connects to ``SOCKET`` and first says it is ready, with its pid.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -50,7 +52,8 @@ def result_dict(result: AverageResult) -> dict[str, Any]:
     }
 
 
-async def serve(op_timeout: float, bucket_elements: int | None) -> None:
+async def serve(control: str, op_timeout: float, bucket_elements: int | None) -> None:
+    stream = await trio.open_unix_socket(control)
     backend = open_backend(
         "auto",
         op_timeout=op_timeout,
@@ -59,17 +62,27 @@ async def serve(op_timeout: float, bucket_elements: int | None) -> None:
         bucket_elements=bucket_elements,
     )
     model = Model()
-    stdin = trio.wrap_file(sys.stdin)
-    reply({"ready": True, "backend": backend.name})
+    await reply(stream, {"ready": True, "backend": backend.name, "pid": os.getpid()})
     try:
-        async for line in stdin:
+        async for line in lines(stream):
             cmd = json.loads(line)
             out = await handle(backend, model, cmd)
-            reply(out)
+            await reply(stream, out)
             if cmd["cmd"] == "close":
                 return
     finally:
         await backend.close()
+        await stream.aclose()
+
+
+async def lines(stream: trio.SocketStream) -> AsyncIterator[bytes]:
+    """The lines ``stream`` brings, until it ends."""
+    buffer = b""
+    async for chunk in stream:
+        buffer += chunk
+        *complete, buffer = buffer.split(b"\n")
+        for line in complete:
+            yield line
 
 
 async def handle(backend: Any, model: Model, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -119,18 +132,18 @@ async def handle(backend: Any, model: Model, cmd: dict[str, Any]) -> dict[str, A
     raise BackendError(f"unknown command {kind!r}")
 
 
-def reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+async def reply(stream: trio.SocketStream, obj: dict[str, Any]) -> None:
+    await stream.send_all((json.dumps(obj) + "\n").encode())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--control", required=True, help="the harness's Unix socket")
     parser.add_argument("--op-timeout", type=float, default=3.0)
     parser.add_argument("--bucket-elements", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    trio.run(serve, args.op_timeout, args.bucket_elements)
+    trio.run(serve, args.control, args.op_timeout, args.bucket_elements)
 
 
 if __name__ == "__main__":

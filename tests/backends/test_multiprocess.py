@@ -1,7 +1,7 @@
 """Averaging across real rank processes (gloo over loopback), re-formation after SIGKILL.
 
-Each test spawns its ranks from ``rank_script`` (about 1.5 s of imports per batch of ranks)
-and always kills and reaps them.
+Each test forks its ranks, ``rank_script``, from a warm-start helper (torch imported once per
+test, not per rank) and always kills and reaps them.
 """
 
 from __future__ import annotations
