@@ -7,7 +7,8 @@ training budget, which run gets the lowest validation loss, and how soon does ea
 loss the alternatives reach at the end of theirs?
 
 **Workloads** (:mod:`quality_task`, ``--workloads``): ``gpt`` (a byte-level GPT on the standard
-library's source text) and ``digits`` (the MLP of the throughput bench). Every process builds
+library's source text) and ``digits`` (the MLP of the throughput bench); ``gpt-b8``, the GPT at
+batch 8, only when named. Every process builds
 the same data, held-out set and initial parameters.
 
 **Layouts** (``--layouts``): layout N is N ranks, the last one (N - 1) made ``--slow-factor``
@@ -58,7 +59,10 @@ run's curve first reaches the solo runs' median loss at budget (linear between t
 evaluation points around the crossing; null if it never does); ``time_to_ddp_loss`` the same
 for DDP's and for torchft's (the peer of the two with the lower median loss at budget,
 ``torchft_reference``); ``speedup_to_quality_vs_solo`` = budget / ``time_to_solo_loss``, and
-``_vs_ddp``, ``_vs_torchft`` likewise (``_vs_torchft`` null where torchft is skipped). Also the
+``_vs_ddp``, ``_vs_torchft`` likewise (``_vs_torchft`` null where torchft is skipped), and
+``_vs_busy_solo`` against ``solo+busy`` where it ran (what a run gains over the fast rank alone
+once both pay the same contention: on ranks that share no compute, an estimate of the gain over
+``solo``). Also the
 1-minute load average before and after every run, each run's command lines, and for flodl its
 rounds, windows, anchor and idle shares (from its ``summary.json`` and ``events.jsonl``). The
 runs of a repeat go in a rotated order, so a drift of the machine's load does not always weigh
@@ -422,8 +426,10 @@ def summarize(cell: dict[str, Any], torchft_skipped: str | None) -> None:
     """Add the figures of every variant of ``cell`` (one workload and layout)."""
     budget = cell["budget_s"]
     solo, ddp = reference_loss(cell, "solo"), reference_loss(cell, "ddp")
+    busy = reference_loss(cell, "solo+busy")
     peer, torchft = torchft_reference(cell)
     cell["solo_loss_at_budget"], cell["ddp_loss_at_budget"] = solo, ddp
+    cell["busy_solo_loss_at_budget"] = busy
     cell["torchft_reference"], cell["torchft_loss_at_budget"] = peer, torchft
     cell["torchft_skipped"] = torchft_skipped
     for variant in cell["variants"].values():
@@ -431,7 +437,8 @@ def summarize(cell: dict[str, Any], torchft_skipped: str | None) -> None:
         if not runs:
             continue
         variant["loss_at_budget"] = spread([r["loss_at_budget"] for r in runs], 5)
-        for key, target in (("solo", solo), ("ddp", ddp), ("torchft", torchft)):
+        references = (("solo", solo), ("busy_solo", busy), ("ddp", ddp), ("torchft", torchft))
+        for key, target in references:
             times = spread(
                 [None if target is None else first_reach(r["curve"], target) for r in runs], 3
             )
@@ -462,6 +469,9 @@ def table(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                     "loss_at_budget": variant["loss_at_budget"]["median"],
                     "time_to_solo_loss_s": variant["time_to_solo_loss"]["median"],
                     "speedup_to_quality_vs_solo": variant["speedup_to_quality_vs_solo"]["median"],
+                    "speedup_to_quality_vs_busy_solo": variant["speedup_to_quality_vs_busy_solo"][
+                        "median"
+                    ],
                     "time_to_ddp_loss_s": variant["time_to_ddp_loss"]["median"],
                     "speedup_to_quality_vs_ddp": variant["speedup_to_quality_vs_ddp"]["median"],
                     "time_to_torchft_loss_s": variant["time_to_torchft_loss"]["median"],
@@ -696,13 +706,14 @@ def print_table(result: dict[str, Any]) -> None:
 
     print(
         f"\n{'cell':<10} {'variant':<18} {'loss@budget':>11} {'t->solo s':>9} {'x solo':>7} "
-        f"{'t->ddp s':>8} {'x ddp':>6} {'x tft':>6} {'steps0':>7} {'load':>11}"
+        f"{'x busy':>6} {'t->ddp s':>8} {'x ddp':>6} {'x tft':>6} {'steps0':>7} {'load':>11}"
     )
     for row in result["table"]:
         print(
             f"{row['cell']:<10} {row['variant']:<18} {row['loss_at_budget']:>11.4f} "
             f"{show(row['time_to_solo_loss_s'], '.1f'):>9} "
             f"{show(row['speedup_to_quality_vs_solo'], '.2f'):>7} "
+            f"{show(row['speedup_to_quality_vs_busy_solo'], '.2f'):>6} "
             f"{show(row['time_to_ddp_loss_s'], '.1f'):>8} "
             f"{show(row['speedup_to_quality_vs_ddp'], '.2f'):>6} "
             f"{show(row['speedup_to_quality_vs_torchft'], '.2f'):>6} "

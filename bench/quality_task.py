@@ -1,6 +1,6 @@
 """The workloads of the time-to-quality bench, and the clock every run keeps (no downloads).
 
-Two workloads, each built the same way by every process of every variant (seeded: the same
+Three workloads, each built the same way by every process of every variant (seeded: the same
 data, the same held-out set, the same initial parameters):
 
 * ``gpt``: a byte-level GPT (2 pre-norm transformer blocks, d_model 128, 4 heads, context 64,
@@ -15,6 +15,8 @@ data, the same held-out set, the same initial parameters):
   the non-overlapping 65-byte windows of the training text (64 inputs, the next 64 bytes as
   targets); the validation loss is the mean cross-entropy (nats per byte) over 64 windows at
   fixed, evenly spaced offsets of the validation text.
+* ``gpt-b8``: the same at batch 8, where each step's gradient is noisier and more samples
+  per step are worth more (not in the default ``--workloads``).
 * ``digits``: the digits MLP of ``bench/training_task.py`` (64-1024-1024-10, batch 32) with
   Adam at lr :data:`DIGITS_LR` on ``examples/digits.py``'s 80/20 split; the validation loss is
   the cross-entropy over the 359 test samples.
@@ -286,6 +288,13 @@ WORKLOADS: dict[str, Workload] = {
         GptTask,
         "byte-level GPT, 2 layers, d_model 128, 4 heads, context 64, AdamW lr 1e-3, batch 32, "
         "on 4 MiB of the standard library's .py files",
+        40.0,
+    ),
+    "gpt-b8": Workload(
+        "gpt-b8",
+        lambda seed: GptTask(seed, batch_size=8),
+        "the gpt workload at batch 8: the same model, text and lr, four times the gradient "
+        "noise per step",
         40.0,
     ),
     "digits": Workload(
