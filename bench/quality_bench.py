@@ -62,7 +62,8 @@ for DDP's and for torchft's (the peer of the two with the lower median loss at b
 ``_vs_ddp``, ``_vs_torchft`` likewise (``_vs_torchft`` null where torchft is skipped), and
 ``_vs_busy_solo`` against ``solo+busy`` where it ran (what a run gains over the fast rank alone
 once both pay the same contention: on ranks that share no compute, an estimate of the gain over
-``solo``). Also the
+``solo``); ``pace_vs_solo`` and ``gain_at_same_steps`` take a run's time to quality apart
+into rank 0's pace and what each of its steps is worth (:mod:`quality_steps`). Also the
 1-minute load average before and after every run, each run's command lines, and for flodl its
 rounds, windows, anchor and idle shares (from its ``summary.json`` and ``events.jsonl``). The
 runs of a repeat go in a rotated order, so a drift of the machine's load does not always weigh
@@ -96,6 +97,7 @@ from benchenv import load
 from quality_baselines import deadline_s, run_busy_solo, run_ddp, run_solo
 from quality_plot import plot
 from quality_procs import Processes, alive, pids_in
+from quality_steps import take_apart
 from quality_task import WORKLOADS, RunSpec, corpus_info
 
 HERE = Path(__file__).resolve().parent
@@ -432,6 +434,7 @@ def summarize(cell: dict[str, Any], torchft_skipped: str | None) -> None:
     cell["busy_solo_loss_at_budget"] = busy
     cell["torchft_reference"], cell["torchft_loss_at_budget"] = peer, torchft
     cell["torchft_skipped"] = torchft_skipped
+    solo_runs = [r for r in cell["variants"].get("solo", {}).get("runs", []) if "curve" in r]
     for variant in cell["variants"].values():
         runs = [r for r in variant.get("runs", []) if "curve" in r]
         if not runs:
@@ -444,6 +447,9 @@ def summarize(cell: dict[str, Any], torchft_skipped: str | None) -> None:
             )
             variant[f"time_to_{key}_loss"] = times
             variant[f"speedup_to_quality_vs_{key}"] = speedup(budget, times)
+        apart = [take_apart(r, solo_runs) for r in runs]
+        variant["pace_vs_solo"] = spread([pace for pace, _ in apart], 3)
+        variant["gain_at_same_steps"] = spread([gain for _, gain in apart], 4)
         variant["load_before"] = spread([r["load_before"] for r in runs], 2)
         variant["load_after"] = spread([r["load_after"] for r in runs], 2)
         variant["steps_rank0"] = spread([r.get("steps") for r in runs], 1)
@@ -479,6 +485,8 @@ def table(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                         "median"
                     ],
                     "steps_rank0": variant["steps_rank0"]["median"],
+                    "pace_vs_solo": variant["pace_vs_solo"]["median"],
+                    "gain_at_same_steps": variant["gain_at_same_steps"]["median"],
                     "fast_rank_idle_share": round(statistics.median(idle), 4) if idle else None,
                     "load_before": variant["load_before"]["median"],
                     "load_after": variant["load_after"]["median"],
@@ -544,7 +552,27 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"default {PLOT} (with --output: the output's name with .png)",
     )
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs' folders here")
+    parser.add_argument(
+        "--refigure",
+        type=Path,
+        default=None,
+        metavar="RESULTS",
+        help="run nothing: recompute the figures and table of a results file from its runs, "
+        "in place (after the figures' definitions change)",
+    )
     return parser
+
+
+def refigure(path: Path) -> None:
+    """Recompute every cell's figures and the table of ``path`` from the runs it holds; the
+    runs themselves are left as they are."""
+    result = json.loads(path.read_text())
+    for cell in result["results"].values():
+        summarize(cell, cell.get("torchft_skipped"))
+    result["table"] = table(result["results"])
+    result["refigured"] = {"date": datetime.now(UTC).isoformat(timespec="seconds")}
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
 
 
 def source_facts() -> dict[str, object]:
@@ -573,6 +601,9 @@ def source_facts() -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.refigure is not None:
+        refigure(args.refigure)
+        return 0
     if args.quick:
         args.budget_s, args.repeats, args.points = 3.0, 1, 6
         args.workloads, args.layouts = ("digits",), (2,)
@@ -706,7 +737,8 @@ def print_table(result: dict[str, Any]) -> None:
 
     print(
         f"\n{'cell':<10} {'variant':<18} {'loss@budget':>11} {'t->solo s':>9} {'x solo':>7} "
-        f"{'x busy':>6} {'t->ddp s':>8} {'x ddp':>6} {'x tft':>6} {'steps0':>7} {'load':>11}"
+        f"{'x busy':>6} {'t->ddp s':>8} {'x ddp':>6} {'x tft':>6} {'steps0':>7} {'pace':>5} "
+        f"{'gain/st':>7} {'load':>11}"
     )
     for row in result["table"]:
         print(
@@ -718,6 +750,8 @@ def print_table(result: dict[str, Any]) -> None:
             f"{show(row['speedup_to_quality_vs_ddp'], '.2f'):>6} "
             f"{show(row['speedup_to_quality_vs_torchft'], '.2f'):>6} "
             f"{show(row['steps_rank0'], '.0f'):>7} "
+            f"{show(row['pace_vs_solo'], '.2f'):>5} "
+            f"{show(row['gain_at_same_steps'], '+.3f'):>7} "
             f"{row['load_before']:>5}-{row['load_after']:<5}"
         )
 
