@@ -1,11 +1,16 @@
 """What the end-to-end tests share: the `flodl` command, the digits example, free ports, the
-children of a supervising process, and reading a process's output up to a line."""
+children of a supervising process, waiting for processes to exit, and reading a process's
+output up to a line."""
 
 from __future__ import annotations
 
+import os
+import select
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
@@ -36,6 +41,35 @@ def rank_pids(host: int) -> list[int]:
         cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
         pids += children_of(child) if b"flodl.supervise.zygote" in cmdline else [child]
     return sorted(pids)  # pids rise: they do not wrap around within a test
+
+
+def wait_exits(pids: Iterable[int], limit: float, leaving: int = 0) -> None:
+    """Return once at most ``leaving`` of ``pids`` still run. Each is watched through a pidfd
+    (any process, not only a child), so the wait wakes at an exit, not on a timer; the ones
+    gone already count as exited. AssertionError naming those still running after ``limit``
+    seconds."""
+    watched: dict[int, int] = {}
+    try:
+        for pid in pids:
+            try:
+                watched[os.pidfd_open(pid)] = pid
+            except ProcessLookupError:
+                continue
+        poller = select.poll()
+        for fd in watched:
+            poller.register(fd, select.POLLIN)
+        running = set(watched)
+        deadline = time.monotonic() + limit
+        while len(running) > leaving:
+            remaining = deadline - time.monotonic()
+            left = sorted(watched[fd] for fd in running)
+            assert remaining > 0, f"still running after {limit} s: {left}"
+            for fd, _ in poller.poll(remaining * 1000):
+                running.discard(fd)
+                poller.unregister(fd)
+    finally:
+        for fd in watched:
+            os.close(fd)
 
 
 def read_until(proc: subprocess.Popen[str], needle: str) -> str:

@@ -12,12 +12,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.commands import rank_pids
+from tests.e2e.commands import rank_pids, wait_exits
 from tests.worker.procs import DIGITS, live_in_groups
 
 pytestmark = pytest.mark.slow
@@ -60,10 +59,8 @@ def test_a_sigkilled_launcher_leaves_every_rank_saved_and_the_run_resumes(tmp_pa
         assert len(ranks) == 3
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.communicate()
-        deadline = time.monotonic() + 30  # the connection closes at once; the saves follow
-        while left := live_in_groups(ranks):
-            assert time.monotonic() < deadline, left
-            time.sleep(0.05)
+        wait_exits(ranks, limit=30)  # the connection closes at once; the saves follow
+        assert live_in_groups(ranks) == []
     finally:
         watchdog.cancel()
         if launcher.poll() is None:  # the test failed before killing it: leave nothing behind

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from flodl.launch.config import LaunchConfig
@@ -133,24 +133,27 @@ def test_a_run_dir_holding_a_run_is_refused_and_overwrite_starts_clean(tmp_path:
 
 
 def test_a_second_launcher_is_kept_out_of_a_folder_in_use(tmp_path: Path) -> None:
-    started, release = tmp_path / "started", tmp_path / "release"
+    # The first run's rank connects to the test and holds the folder until the test hangs up.
+    hold = tmp_path / "hold.sock"
     waiter = tmp_path / "wait.py"
     waiter.write_text(
-        "import os, time\n"
-        f"open({str(started)!r}, 'w').close()\n"
-        f"while not os.path.exists({str(release)!r}):\n"
-        "    time.sleep(0.02)\n"
+        "import socket\n"
+        "peer = socket.socket(socket.AF_UNIX)\n"
+        f"peer.connect({str(hold)!r})\n"
+        "peer.recv(1)\n"
     )
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "flodl.cli", "run", "--nproc", "1", "--run-dir", str(run_dir)]
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(hold))
+    listener.listen(1)
+    listener.settimeout(30)
     first = subprocess.Popen(
         [*argv, str(waiter)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    held: socket.socket | None = None
     try:
-        deadline = time.monotonic() + 30
-        while not started.exists():
-            assert first.poll() is None and time.monotonic() < deadline
-            time.sleep(0.02)
+        held, _ = listener.accept()  # the first run's rank is up: the folder is in use
         second = subprocess.run(
             [*argv, "--overwrite", str(waiter)], capture_output=True, text=True, timeout=60
         )
@@ -160,10 +163,12 @@ def test_a_second_launcher_is_kept_out_of_a_folder_in_use(tmp_path: Path) -> Non
             in second.stderr
         )
         assert (run_dir / "session.key").exists()  # the first run's files are untouched
-        release.touch()
+        held.close()  # the rank's recv returns: it exits 0
         first.communicate(timeout=60)
     finally:
-        release.touch()
+        if held is not None:
+            held.close()
+        listener.close()
         if first.poll() is None:
             first.kill()
         first.wait()

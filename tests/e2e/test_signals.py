@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from flodl.checkpoint import load_bundle
-from tests.e2e.commands import rank_pids
+from tests.e2e.commands import rank_pids, wait_exits
 from tests.worker.procs import DIGITS, live_in_groups
 
 pytestmark = pytest.mark.slow
@@ -98,10 +98,8 @@ class Launcher:
         return rank_pids(self.process.pid)
 
     def wait_for_children(self, count: int) -> None:
-        deadline = time.monotonic() + 30
-        while len(self.children()) > count:
-            assert time.monotonic() < deadline, self.output
-            time.sleep(0.05)
+        """Return once at most ``count`` of the launcher's ranks of now still run."""
+        wait_exits(self.children(), limit=30, leaving=count)
 
     @property
     def output(self) -> str:
@@ -237,10 +235,8 @@ def test_ranks_do_not_outlive_a_sigkilled_launcher(tmp_path: Path) -> None:
     assert len(ranks) == 2
     os.kill(launcher.process.pid, signal.SIGKILL)
     launcher.finish()
-    deadline = time.monotonic() + 30  # beyond the heartbeat timeout (10 s)
-    while left := live_in_groups(ranks):
-        assert time.monotonic() < deadline, left
-        time.sleep(0.05)
+    wait_exits(ranks, limit=30)  # beyond the heartbeat timeout (10 s)
+    assert live_in_groups(ranks) == []
 
 
 # --- flodl coordinator / flodl worker -------------------------------------------------------------
