@@ -18,7 +18,7 @@ run of minutes of simulated training takes milliseconds and is deterministic::
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import attrs
@@ -164,12 +164,19 @@ class ScriptedRank:
     """
 
     def __init__(
-        self, rank: int, world_size: int, script: RankScript, groups: SimulatedGroups
+        self,
+        rank: int,
+        world_size: int,
+        script: RankScript,
+        groups: SimulatedGroups,
+        progress: Callable[[], None] = lambda: None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.script = script
         self.record = RankRecord()
+        self._progress = progress
+        """Called after each batch this rank trains (wakes :meth:`Cluster.until`)."""
         self.lives = 0
         """How many times this rank connected (2 after a rejoin)."""
         self._groups = groups
@@ -335,6 +342,7 @@ class ScriptedRank:
         loss = 1.0 / self.record.batches
         done = self.machine.batch_done(loss, script.data_ms, trio.current_time())
         await self._perform(channel, done)
+        self._progress()
         if script.stop_after_batches == self.record.batches:
             await self._perform(channel, self.machine.ask(IntentKind.STOP, "scripted stop"))
         if script.die_after_batches is not None and self.record.batches >= script.die_after_batches:
@@ -384,10 +392,23 @@ class Cluster:
     started_at: float = attrs.field(factory=trio.current_time)
     """Trio time at which the cluster started (timeline times are absolute trio times)."""
     ranks_done: trio.Event = attrs.field(factory=trio.Event)
+    _news: trio.Event = attrs.field(factory=trio.Event, init=False)
 
     def elapsed(self) -> float:
         """Seconds since the cluster started."""
         return trio.current_time() - self.started_at
+
+    def _progressed(self, *_: object) -> None:
+        self._news.set()
+        self._news = trio.Event()
+
+    async def until(self, condition: Callable[[], bool]) -> None:
+        """Return once ``condition()`` holds. It is checked now, then again after every batch a
+        scripted rank trains and every event the coordinator records, so the wait wakes when
+        something happened, not on a timer. Cancellable; it waits as long as it takes, so bound
+        it with a cancel scope where the condition may never come."""
+        while not condition():
+            await self._news.wait()
 
     async def wait_ranks_done(self) -> None:
         """Wait until every scripted rank's task has returned (shut down, crashed or cut)."""
@@ -422,8 +443,13 @@ async def open_cluster(
     )
     async with coordinating as coord:
         groups = SimulatedGroups()
-        ranks = [ScriptedRank(r, world_size, s, groups) for r, s in enumerate(scripts)]
-        cluster = Cluster(coord, ranks, coord.url, started_at)
+        cluster = Cluster(coord, [], coord.url, started_at)
+        cluster.ranks.extend(
+            ScriptedRank(r, world_size, s, groups, cluster._progressed)
+            for r, s in enumerate(scripts)
+        )
+        ranks = cluster.ranks
+        coord.add_event_sink(cluster._progressed)
         async with trio.open_nursery() as nursery:
             remaining = len(ranks)
 

@@ -353,13 +353,11 @@ async def test_eight_unequal_ranks_calibrate_to_their_speeds_and_barely_idle(
     ) as cluster:
         machine = cluster.coordinator.machine
         # Let ElChe calibrate, then measure idle over a later stretch of windows.
-        while machine.cycle.round < 8:
-            await trio.sleep(0.5)
+        await cluster.until(lambda: machine.cycle.round >= 8)
         counts = machine.counts()
         idle0 = [r.record.idle_s for r in cluster.ranks]
         t0 = cluster.elapsed()
-        while machine.cycle.round < 20:
-            await trio.sleep(0.5)
+        await cluster.until(lambda: machine.cycle.round >= 20)
         idle = [r.record.idle_s - i for r, i in zip(cluster.ranks, idle0, strict=True)]
         elapsed = cluster.elapsed() - t0
         cluster.coordinator.request_stop(save=False)
@@ -453,8 +451,7 @@ async def test_relax_up_grows_the_anchor_by_one_per_stable_round(
     )
     async with open_cluster(fast(2), dataset_size=20_000, batch_size=10, config=config) as c:
         machine = c.coordinator.machine
-        while machine.cycle.round < 6:
-            await trio.sleep(0.1)
+        await c.until(lambda: machine.cycle.round >= 6)
         anchor, rounds = machine.elche.anchor, machine.cycle.round
         c.coordinator.request_stop(save=False)
         await c.coordinator.wait_finished()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import trio
 from trio.testing import MockClock
 
 from flodl.config import CoordinatorConfig, Policy
@@ -33,12 +32,10 @@ async def idle_share_after_the_change(config: CoordinatorConfig) -> tuple[float,
     ) as cluster:
         machine = cluster.coordinator.machine
         fast = cluster.ranks[1].record
-        while fast.batches < 300:
-            await trio.sleep(0.05)
+        await cluster.until(lambda: fast.batches >= 300)
         round_at_change = machine.cycle.round
         idle0, t0 = fast.idle_s, cluster.elapsed()
-        while machine.cycle.round < round_at_change + 6:
-            await trio.sleep(0.05)
+        await cluster.until(lambda: machine.cycle.round >= round_at_change + 6)
         share = (fast.idle_s - idle0) / (cluster.elapsed() - t0)
         cluster.coordinator.request_stop(save=False)
         await cluster.coordinator.wait_finished()
@@ -85,11 +82,9 @@ async def test_balanced_ranks_get_no_extra_batches_once_calibrated(
     scripts = [RankScript(ms_per_batch=10.0), RankScript(ms_per_batch=10.0)]
     async with open_cluster(scripts, dataset_size=100_000, batch_size=10, epochs=1) as cluster:
         machine = cluster.coordinator.machine
-        while machine.cycle.round < 4:
-            await trio.sleep(0.05)
+        await cluster.until(lambda: machine.cycle.round >= 4)
         before = [len(rank.record.received) for rank in cluster.ranks]
-        while machine.cycle.round < 12:
-            await trio.sleep(0.05)
+        await cluster.until(lambda: machine.cycle.round >= 12)
         cluster.coordinator.request_stop(save=False)
         await cluster.coordinator.wait_finished()
     for rank, start in zip(cluster.ranks, before, strict=True):
