@@ -413,6 +413,31 @@ async def test_a_restarted_rank_rejoins_at_the_next_round(autojump_clock: MockCl
     assert cluster.coordinator.machine.members == (0, 1, 2)
 
 
+@pytest.mark.parametrize("restart_s", [0.0, 0.05])
+async def test_a_rank_restarted_within_the_window_it_died_in_rejoins_and_the_run_goes_on(
+    autojump_clock: MockClock, restart_s: float
+) -> None:
+    # Rank 2 dies 5 batches into a 10-batch window and is back before the survivors end it
+    # (a warm restart): the group grows at the window's end, and the joiner, handed nothing in
+    # that window by its new process, must not be waited for as if its old one's batches were
+    # still to come.
+    scripts = [
+        *fast(2, ms=27.0),
+        RankScript(ms_per_batch=27.0, die_after_batches=15, rejoin_after=restart_s),
+    ]
+    async with open_cluster(scripts, dataset_size=1440, batch_size=16, epochs=4) as cluster:
+        with trio.fail_after(600):  # a run that waits for the joiner never ends
+            outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.status is Status.COMPLETED
+    reformed = events(cluster, EventKind.GROUP_REFORMED)
+    assert [e["members"] for e in reformed] == [[0, 1], [0, 1, 2]]
+    comeback = cluster.ranks[2]
+    assert comeback.lives == 2 and comeback.record.batches > 15  # it trained after it came back
+    samples = Counter(s for rank in cluster.ranks for s in rank.record.samples)
+    assert len(samples) == 4 * 1440 and set(samples.values()) == {1}
+
+
 @pytest.mark.parametrize(("cap_epochs", "expected_total"), [(1.0, 20), (3.0, 60), (None, 60)])
 async def test_window_cap_is_one_epoch_by_default_and_a_setting(
     autojump_clock: MockClock, cap_epochs: float | None, expected_total: int

@@ -201,7 +201,10 @@ class Dispatch:
         return effects
 
     def readmit(self, rank: int) -> None:
-        """``rank`` joined the group: it may be handed work again."""
+        """``rank`` joined the group: it may be handed work again. Its new process holds none of
+        the window in progress (what its last one held went to the survivors), so nothing of
+        this window is planned for it: the window's round does not wait for it."""
+        self.plan[rank] = 0
         if self.work is not None:
             self.work.readmit(rank)
 
