@@ -69,7 +69,7 @@ rounds, windows, anchor and idle shares (from its ``summary.json`` and ``events.
 runs of a repeat go in a rotated order, so a drift of the machine's load does not always weigh
 on the same variant.
 
-``--quick``: digits only, 2 ranks, a 3 s budget, 1 repeat, the variants of :data:`QUICK`
+``--quick``: digits only, 2 ranks, a 1 s budget, 1 repeat, the variants of :data:`QUICK`
 (figures mean nothing), for the smoke test. Wrap measurement runs in ``flock /tmp/bench.lock``.
 """
 
@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         refigure(args.refigure)
         return 0
     if args.quick:
-        args.budget_s, args.repeats, args.points = 3.0, 1, 6
+        args.budget_s, args.repeats, args.points = 1.0, 1, 6
         args.workloads, args.layouts = ("digits",), (2,)
         args.variants = args.variants or QUICK
     args.variants = args.variants or tuple(BY_NAME)

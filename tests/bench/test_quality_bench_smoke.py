@@ -1,4 +1,4 @@
-"""Smoke run of bench/quality_bench.py (--quick: digits, 2 ranks, a 3 s budget, one repeat of
+"""Smoke run of bench/quality_bench.py (--quick: digits, 2 ranks, a 1 s budget, one repeat of
 solo, DDP and flodl cadence with the Nesterov outer step) and checks of its helpers, so the
 benchmark keeps working. The figures of a quick run mean nothing; what is checked is that every
 variant trained and was evaluated, the JSON has its keys, torchft's LocalSGD and DiLoCo ran
