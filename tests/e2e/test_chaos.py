@@ -217,8 +217,17 @@ def assert_identical_after_every_round(
             assert number in redone, f"round {number} landed on ranks {holders} only, never redone"
     known = set(by_round.values())
     for rank in others if records else ():
+        # A rank that died may have completed the very round its death then failed on the
+        # survivors (the same socket reset, the other way round): only its last, and only a
+        # round the coordinator redid (numbered by its place, for a rank there from round 1).
         partial = run.recorded(rank)
-        assert set(partial) <= known, f"rank {rank} recorded a round the survivors did not"
+        unknown = [i for i, entry in enumerate(partial) if entry not in known]
+        assert unknown in ([], [len(partial) - 1]), f"rank {rank} recorded rounds {unknown} alone"
+        if unknown:
+            place = len(partial) if partial[0] == by_round.get(1) else None
+            assert redone and (place is None or place in redone), (
+                f"rank {rank} recorded round {place} alone, and it was never redone"
+            )
 
 
 def assert_deaths(run: ChaosRun, expected: dict[int, str]) -> None:
@@ -403,15 +412,16 @@ async def test_down_to_one_survivor_saves_then_resumes_with_three(tmp_path: Path
     # Both died after their 3rd round; all three completed the first two together. The 3rd
     # (generation 0) can land on one rank and fail on another: a rank that has its result
     # kills itself at once, and a peer still reading its last bytes sees the connection
-    # reset. So rank 1 either has rank 2's 3rd round or redid it with rank 0 in generation
-    # 1 (rank 2 died first), and rank 0 has one of those two or none (both died before it
-    # landed there, and its redo found no one to average with).
+    # reset. So ranks 1 and 2 either have the same 3rd round, or one has it in generation 0
+    # and the other redid it with rank 0 in generation 1 (the first one had died), and rank
+    # 0 has one of those two or none (both died before it landed there, and its redo found
+    # no one to average with).
     recorded = {rank: first.recorded(rank) for rank in range(3)}
     assert len(recorded[1]) == len(recorded[2]) == 3
     assert recorded[0][:2] == recorded[1][:2] == recorded[2][:2]
     third = {rank: rounds[2:3] for rank, rounds in recorded.items()}
-    assert third[2][0][0] == 0
-    assert third[1] == third[2] or third[1][0][0] == 1, third
+    # Either killed rank may be the one whose result landed first.
+    assert third[1] == third[2] or {third[1][0][0], third[2][0][0]} == {0, 1}, third
     assert third[0] in ([], third[1], third[2]), third
     bundle_meta = sorted((first.run_dir / "checkpoints" / "rank0").glob("*.meta.json"))
     assert bundle_meta, "the survivor saved no bundle"
