@@ -40,7 +40,6 @@ FD_VAR = "FLODL_ZYGOTE_FD"
 PRELOAD = (
     "torch",
     "torch.distributed",
-    "torch._dynamo",
     "numpy",
     "flodl.worker",
     "flodl.backends.gloo",
@@ -48,11 +47,10 @@ PRELOAD = (
     "flodl.averaging._fused",
     "setproctitle",
 )
-"""What the helper imports before its first fork: what every rank imports first. Beyond the
-rank's own imports: ``torch._dynamo``, which a rank's first optimizer imports (a second of CPU),
-and numba with flodl's averaging loops, which its first group loads (their machine code still
-loads in the rank, from numba's disk cache; running it here would start a thread before the
-forks)."""
+"""What the helper imports before its first fork: what every rank imports first, and numba
+with flodl's averaging loops, which a rank imports when it first joins a group (their machine
+code still loads in the rank, from numba's disk cache: running it here would start a thread
+before the forks)."""
 
 MAX_MESSAGE = 1 << 20
 """The largest request the helper reads (an environment of a few hundred variables)."""
