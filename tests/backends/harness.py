@@ -15,6 +15,7 @@ from typing import Any
 import trio
 
 from flodl.supervise.warm import WarmProcess, open_warm_starter
+from tests.worker.procs import kill_and_reap
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK_SCRIPT = Path(__file__).with_name("rank_script.py")
@@ -95,11 +96,8 @@ async def spawn_ranks(
                     outputs.start_soon(copy_output, rank.process.stdout, rank.output)
                 yield ranks
             finally:
+                await kill_and_reap(processes)
                 with trio.CancelScope(shield=True):
-                    for process in processes:
-                        if process.returncode is None:
-                            process.kill()
-                        await process.wait()
                     for stream in streams:
                         await stream.aclose()
                     listener.close()

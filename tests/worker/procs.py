@@ -120,15 +120,21 @@ async def spawn(
                     processes.append(process)
                 yield processes
             finally:
-                with trio.CancelScope(shield=True):
-                    for process in processes:
-                        if process.returncode is None:
-                            process.kill()
-                    for process in processes:
-                        await process.wait()
+                await kill_and_reap(processes)
     finally:
         for handle in logs:
             handle.close()
+
+
+async def kill_and_reap(processes: Sequence[RankHandle]) -> None:
+    """Kill each of ``processes`` still running and wait for every one; shielded, so it also
+    finishes when the caller is being cancelled."""
+    with trio.CancelScope(shield=True):
+        for process in processes:
+            if process.returncode is None:
+                process.kill()
+        for process in processes:
+            await process.wait()
 
 
 async def copy_output(stream: trio.abc.ReceiveStream, sink: BinaryIO) -> None:
