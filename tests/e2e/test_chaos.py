@@ -310,11 +310,14 @@ async def test_two_ranks_killed_at_once(tmp_path: Path) -> None:
     # Each records the generation it held when it died: the first death may re-form the group
     # before the other rank started its next batch, which it then starts in the new one.
     assert abs(first["generation"] - second["generation"]) <= 1
-    # Both died after the same 4 rounds, which the survivors completed too (the 4th may have
-    # landed on one survivor only and been redone: assert_identical_after_every_round).
-    assert run.recorded(1) == run.recorded(3)
-    assert len(run.recorded(1)) == 4
-    assert run.recorded(1)[:3] == run.recorded(0)[:3]
+    # Both died after their 4th completed average. The first three are the survivors' too.
+    # The 4th is the same round for both, unless the first death failed it on the other,
+    # which then died after its redo on the re-formed group (one generation later); either
+    # 4th is one the survivors hold or the redone round (assert_identical_after_every_round).
+    ones, threes = run.recorded(1), run.recorded(3)
+    assert len(ones) == len(threes) == 4
+    assert ones[:3] == threes[:3] == run.recorded(0)[:3]
+    assert ones[3] == threes[3] or abs(ones[3][0] - threes[3][0]) == 1, (ones[3], threes[3])
 
 
 async def test_rank_killed_and_restarted_rejoins(tmp_path: Path) -> None:
