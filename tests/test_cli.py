@@ -149,6 +149,35 @@ def test_nccl_is_refused_on_a_host_without_a_gpu_per_rank(
     assert not (tmp_path / "ran").exists() and not (tmp_path / "r").exists()
 
 
+def test_bf16_rounds_are_refused_on_gpus_whose_nccl_cannot_reduce_them(
+    tmp_path: Path,
+    script: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torch
+    import torch.distributed
+
+    # No GPU here: torch is told of two, the second a pre-Ampere one (compute capability 7.5).
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: [(8, 0), (7, 5)][i])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: ["A100", "T4"][i])
+    check_backend_on_host("nccl", 1, "bf16")  # GPU 0 alone reduces bf16
+    check_backend_on_host("nccl", 2, "fp16")
+    check_backend_on_host("gloo", 2, "bf16")
+    with pytest.raises(ConfigError, match=r"--average-dtype bf16: GPU 1 \(T4, compute capab"):
+        check_backend_on_host("nccl", 2, "bf16")
+    with pytest.raises(ConfigError, match=r"--average-dtype bf16: GPU 1"):
+        check_backend_on_host("auto", 2, "bf16")  # auto takes nccl with a GPU per rank
+    run_dir = tmp_path / "r"
+    flags = ["--nproc", "2", "--backend", "nccl", "--average-dtype", "bf16"]
+    assert main(["run", *flags, "--run-dir", str(run_dir), str(script)]) == 2
+    assert "flodl: error: --average-dtype bf16: GPU 1 (T4" in capsys.readouterr().err
+    assert not (tmp_path / "ran").exists() and not run_dir.exists()
+
+
 def test_gloo_and_auto_are_checked_without_importing_torch() -> None:
     code = (
         "import sys\n"

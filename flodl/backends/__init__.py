@@ -28,6 +28,10 @@ def choose_backend(name: str, *, nccl: bool, gpus: int, local_world_size: int) -
     return "nccl" if nccl and gpus >= max(local_world_size, 1) else "gloo"
 
 
+BF16_NCCL_CAPABILITY = (8, 0)
+"""The CUDA compute capability from which NCCL reduces bfloat16 (Ampere)."""
+
+
 def resolve_backend_name(name: str = "auto", local_world_size: int = 1) -> str:
     """:func:`choose_backend` for this host (imports torch only for ``auto``)."""
     if name != "auto":
@@ -41,12 +45,17 @@ def resolve_backend_name(name: str = "auto", local_world_size: int = 1) -> str:
     return choose_backend(name, nccl=usable, gpus=gpus, local_world_size=local_world_size)
 
 
-def check_backend_on_host(name: str, local_world_size: int) -> None:
+def check_backend_on_host(name: str, local_world_size: int, average_dtype: str = "fp32") -> None:
     """Refuse (ConfigError naming ``--backend``) a backend this host cannot run for
     ``local_world_size`` ranks: nccl needs a torch build with NCCL and a CUDA GPU per rank.
+    With ``average_dtype`` bf16, refuse (naming ``--average-dtype``) GPUs whose NCCL cannot
+    reduce bf16 (compute capability below 8.0, before Ampere).
 
-    Imports torch only for nccl: gloo runs anywhere, and auto falls back to gloo.
+    Imports torch only for nccl (and for auto with bf16): gloo runs anywhere and reduces
+    every dtype, and auto falls back to gloo.
     """
+    if name == "auto" and average_dtype == "bf16":
+        name = resolve_backend_name(name, local_world_size)
     if name != "nccl":
         choose_backend(name, nccl=False, gpus=0, local_world_size=local_world_size)
         return
@@ -65,6 +74,15 @@ def check_backend_on_host(name: str, local_world_size: int) -> None:
             f"this host; torch sees {gpus}. Use --backend gloo, or auto (nccl only where "
             "every rank gets a GPU)"
         )
+    if average_dtype == "bf16":
+        for gpu in range(local_world_size):
+            capability = torch.cuda.get_device_capability(gpu)
+            if capability < BF16_NCCL_CAPABILITY:
+                raise ConfigError(
+                    f"--average-dtype bf16: GPU {gpu} ({torch.cuda.get_device_name(gpu)}, "
+                    f"compute capability {capability[0]}.{capability[1]}) cannot reduce bf16 "
+                    "over NCCL (8.0, Ampere, and later can); use --average-dtype fp16 or fp32"
+                )
 
 
 def open_backend(

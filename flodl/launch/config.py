@@ -62,6 +62,7 @@ class LaunchConfig:
 
     def check_host(self) -> None:
         """Refuse what this host cannot run: a script that is not a file, ``--backend nccl``
-        without a GPU per rank (imports torch for nccl only). ConfigError naming the flag."""
+        without a GPU per rank, ``--average-dtype bf16`` on GPUs that cannot reduce it (imports
+        torch for nccl only). ConfigError naming the flag."""
         check_script(self.script)
-        check_backend_on_host(self.backend, self.nproc)
+        check_backend_on_host(self.backend, self.nproc, self.coordinator.average_dtype)
