@@ -33,16 +33,13 @@ class RankProcess:
         self._buffer = b""
 
     async def _read_line(self) -> dict[str, Any]:
-        while b"\n" not in self._buffer:
-            chunk = await self.stream.receive_some(65536)
-            if not chunk:
-                raise EOFError(
-                    f"rank process {self.process.pid} closed its connection; it printed "
-                    f"{bytes(self.output)!r}"
-                )
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        reply: dict[str, Any] = json.loads(line)
+        try:
+            reply, self._buffer = await read_json_line(self.stream, self._buffer)
+        except EOFError:
+            raise EOFError(
+                f"rank process {self.process.pid} closed its connection; it printed "
+                f"{bytes(self.output)!r}"
+            ) from None
         return reply
 
     async def send(self, **cmd: Any) -> None:
@@ -103,6 +100,19 @@ async def spawn_ranks(
                     listener.close()
 
 
+async def read_json_line(stream: trio.SocketStream, buffer: bytes) -> tuple[dict[str, Any], bytes]:
+    """The next JSON line of ``stream`` after what ``buffer`` holds, and what was read past it;
+    EOFError (holding the unfinished line's bytes) if the stream ends first."""
+    while b"\n" not in buffer:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            raise EOFError(buffer)  # what was read of the unfinished line
+        buffer += chunk
+    line, rest = buffer.split(b"\n", 1)
+    message: dict[str, Any] = json.loads(line)
+    return message, rest
+
+
 async def copy_output(stream: trio.abc.ReceiveStream, output: bytearray) -> None:
     async with stream:
         async for chunk in stream:
@@ -112,14 +122,10 @@ async def copy_output(stream: trio.abc.ReceiveStream, output: bytearray) -> None
 async def ready_rank(stream: trio.SocketStream, processes: list[WarmProcess]) -> RankProcess:
     """The rank on ``stream``, once it said it is ready (its pid names which of ``processes``
     it is)."""
-    buffer = b""
-    while b"\n" not in buffer:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            raise EOFError(f"a rank closed its connection before it was ready: {buffer!r}")
-        buffer += chunk
-    line, rest = buffer.split(b"\n", 1)
-    ready = json.loads(line)
+    try:
+        ready, rest = await read_json_line(stream, b"")
+    except EOFError as ended:
+        raise EOFError(f"a rank closed its connection before it was ready: {ended}") from None
     assert ready["ready"] is True
     (process,) = [p for p in processes if p.pid == ready["pid"]]
     rank = RankProcess(process, stream)
