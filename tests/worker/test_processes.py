@@ -160,7 +160,19 @@ async def test_survivors_of_a_sigkilled_rank_reform_and_finish(tmp_path: Path) -
     survivors = [report(run_dir, r) for r in range(2)]
     generations = {int(h["generation"]) for h in survivors[0]["param_hashes"]}
     assert generations == {0, reformed[0].detail["generation"]}
-    assert hashes_by_round(survivors[0]) == hashes_by_round(survivors[1])
+    # The round the kill interrupted can end apart: gloo finished it on one survivor (the
+    # dead rank's last piece reached it) and failed it on the other (a CI run had rank 1
+    # with round 3 and rank 0 without). Every other round is the same bytes on both.
+    rounds = [hashes_by_round(data) for data in survivors]
+    split = set(rounds[0]) ^ set(rounds[1])
+    assert len(split) <= 1, rounds
+    last_before_reform = max(
+        int(h["round"]) for data in survivors for h in data["param_hashes"] if h["generation"] == 0
+    )
+    assert split <= {last_before_reform}, rounds
+    assert {r: h for r, h in rounds[0].items() if r not in split} == {
+        r: h for r, h in rounds[1].items() if r not in split
+    }
     for data in survivors:
         assert data["exit_reason"] == "completed"
         # 6 epochs: 0.95-0.98 in six runs here; after 3, unkilled runs drew 0.90-0.96 and a
