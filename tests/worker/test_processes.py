@@ -170,6 +170,8 @@ async def test_survivors_of_a_sigkilled_rank_reform_and_finish(tmp_path: Path) -
         int(h["round"]) for data in survivors for h in data["param_hashes"] if h["generation"] == 0
     )
     assert split <= {last_before_reform}, rounds
+    redone = {e.detail.get("redoes") for e in coord.timeline.of_kind(EventKind.SYNC_START)}
+    assert split <= redone, (split, redone)  # and the coordinator redid it on both
     assert {r: h for r, h in rounds[0].items() if r not in split} == {
         r: h for r, h in rounds[1].items() if r not in split
     }
