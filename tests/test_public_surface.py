@@ -722,16 +722,16 @@ FROM_AGENT_TAGS = {
     "AgentJoin": 128,
     "RankExited": 129,
     "AgentStop": 130,
-    "TunnelOpen": 131,
-    "TunnelUp": 132,
-    "TunnelClosed": 133,
+    "RankOpen": 134,
+    "RanksUp": 135,
+    "RankClosed": 136,
 }
 TO_AGENT_TAGS = {
     "AssignRanks": 160,
     "RunOver": 161,
     "AgentRefusal": 162,
-    "TunnelDown": 163,
-    "TunnelEnd": 164,
+    "RanksDown": 165,
+    "RankEnd": 166,
 }
 ALL_TAGS = {**TO_RANK_TAGS, **TO_COORDINATOR_TAGS, **FROM_AGENT_TAGS, **TO_AGENT_TAGS}
 

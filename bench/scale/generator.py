@@ -233,7 +233,7 @@ async def run_generator(
         host = WireHost(node, world_size, hub, sock, (encoder, decoder), first)
         hosts[node] = host
         hub.add(host)
-        host.open_tunnels(phases[first : first + per_host], KEY)
+        host.open_ranks(phases[first : first + per_host])
         hub.flush_hosts()
 
     def kill(rank: int) -> None:
@@ -260,7 +260,7 @@ async def run_generator(
                     recorder.measuring = True
                 elif line.startswith(b"kill "):
                     # The rank's process dies: its socket closes with no goodbye (through
-                    # an agent: the agent reports its exit, then the tunnel closes).
+                    # an agent: the agent reports its exit, then that the rank is gone).
                     kill(int(line.split()[1]))
                 elif line.startswith(b"killhost "):
                     # The agent dies (SIGKILL): its socket closes, its ranks with it.

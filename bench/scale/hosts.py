@@ -2,16 +2,17 @@
 node agents, one connection per host.
 
 A :class:`WireHost` speaks for ``per_host`` ranks as a real node agent does (:mod:`flodl.agent`):
-its own handshake (the agent flag), ``AgentJoin``, then ``AssignRanks`` tells it its ranks; each
-rank's connection is a tunnel whose bytes (the rank's own handshake and authenticated frames)
-travel in ``TunnelUp`` and ``TunnelDown`` frames of the host's one socket. What the host's ranks
-send within one metronome slot (2 ms) or one pass over the ready sockets goes up as one
-``TunnelUp``, as the real agent folds what is queued when its sender wakes. A killed rank is
-reported as the agent reports it (``RankExited``, then ``TunnelClosed``); a killed host closes its
-socket with no goodbye, as a SIGKILLed agent's kernel does.
+its own handshake (the agent flag), ``AgentJoin``, then ``AssignRanks`` tells it its ranks; it
+opens each (``RankOpen``, the rank's handshake having ended at the agent) and carries their
+messages: what the host's ranks send within one metronome slot (2 ms) or one pass over the
+ready sockets goes up as one ``RanksUp`` (tags and stamped payloads, one MAC), as the real agent
+folds what is queued when its sender wakes; each ``RanksDown`` payload is decoded once for all
+the ranks it goes to. A killed rank is reported as the agent reports it (``RankExited``, then
+``RankClosed``); a killed host closes its socket with no goodbye, as a SIGKILLed agent's kernel
+does.
 
 The ranks are the split mode's :class:`~.sockets.WireRank`: the same :class:`~.ranks.RankLoop`
-around the same RankMachine, stamping what they send; only the path of their bytes differs.
+around the same RankMachine, stamping what they send; only the path of their messages differs.
 """
 
 from __future__ import annotations
@@ -21,50 +22,39 @@ import socket
 import time
 from collections.abc import Sequence
 
+import cbor2
 import trio
 
-from flodl.wire.codec import FrameDecoder, FrameEncoder
-from flodl.wire.handshake import (
-    SERVER_HELLO_SIZE,
-    ClientState,
-    check_server_hello,
-    make_client_hello,
-)
+from flodl.wire.codec import FrameDecoder, FrameEncoder, PayloadDecoder
+from flodl.wire.handshake import make_client_hello
 from flodl.wire.messages import (
     TO_AGENT_TAGS,
+    TO_RANK_TAGS,
     AgentJoin,
     AssignRanks,
     Message,
+    RankClosed,
+    RankEnd,
     RankExited,
-    TunnelClosed,
-    TunnelDown,
-    TunnelEnd,
-    TunnelOpen,
-    TunnelUp,
+    RankOpen,
+    RanksDown,
+    RanksUp,
+    from_payload,
 )
 
 from .sockets import WireGenerator, WireRank, open_handshaken
+from .stamps import stamped_payload
 
 KILLED_RETURNCODE = -9
 """What a rank killed by the bench exits with, as the agent reports it (SIGKILL)."""
 
 
-class _Handshaking:
-    """A rank whose hello went up its tunnel and whose reply has not come back yet."""
-
-    def __init__(self, rank: int, state: ClientState, phases: tuple[float, float]) -> None:
-        self.rank = rank
-        self.state = state
-        self.phases = phases
-        self.reply = bytearray()
-
-
 class WireHost:
-    """One simulated node agent: its socket to the coordinator and its ranks' tunnels.
+    """One simulated node agent: its socket to the coordinator and the ranks it speaks for.
 
-    To its ranks it is their hub (:meth:`write`, :meth:`hang_up`, ``recorder``, ``metronome``):
-    what they write is queued and goes up folded (:meth:`flush`, which the generator calls after
-    each metronome slot and each pass over ready sockets)."""
+    To its ranks it is their hub (:meth:`carry`, :meth:`hang_up`, ``recorder``,
+    ``metronome``): what they send is queued and goes up folded (:meth:`flush`, which the
+    generator calls after each metronome slot and each pass over ready sockets)."""
 
     def __init__(
         self,
@@ -86,108 +76,91 @@ class WireHost:
         self.unsent = bytearray()
         self.open = True
         self.ranks: dict[int, WireRank] = {}
-        """The host's ranks by tunnel slot (slot = local rank), once their handshake is done."""
-        self._handshaking: dict[int, _Handshaking] = {}
+        """The host's open ranks, by rank."""
         self._queued: list[Message] = []
-        self._slots: list[int] = []
-        self._chunks: list[bytes] = []
+        self._tags: list[int] = []
+        self._payloads: list[bytes] = []
+        self._decoder = PayloadDecoder()
 
     # --- what the host's ranks see as their hub -----------------------------------------------
 
-    def write(self, rank: WireRank, data: bytes) -> None:
-        """Queue ``data`` of ``rank`` to go up in the host's next TunnelUp."""
+    def carry(self, rank: WireRank, messages: Sequence[Message], at: float) -> None:
+        """Queue ``rank``'s messages, stamped with ``at``, to go up in the next RanksUp."""
         if self.open:
-            self._slots.append(rank.rank - self.first_rank)
-            self._chunks.append(data)
+            dumps = cbor2.dumps
+            for message in messages:
+                self._tags.append(message.TAG)
+                self._payloads.append(dumps(stamped_payload(message, at)))
             self.hub.dirty(self)
 
     def hang_up(self, rank: WireRank) -> None:
         """``rank`` said goodbye: its connection to the agent closes."""
-        self.close_rank(rank.rank - self.first_rank)
+        self.close_rank(rank.rank)
 
     def close(self, rank: WireRank) -> None:
-        self.close_rank(rank.rank - self.first_rank)
+        self.close_rank(rank.rank)
 
     # --- the host -----------------------------------------------------------------------------
 
-    def open_tunnels(self, phases: Sequence[tuple[float, float]], key: bytes) -> None:
-        """Connect every rank of the host to the agent: each hello goes up its tunnel."""
+    def open_ranks(self, phases: Sequence[tuple[float, float]]) -> None:
+        """Every rank of the host connects to the agent (its handshake ends there) and starts."""
         for slot, rank_phases in enumerate(phases):
             rank = self.first_rank + slot
-            hello, state = make_client_hello(key, rank, self.world_size)
-            self._handshaking[slot] = _Handshaking(rank, state, rank_phases)
-            self.send_up(TunnelOpen(slot))
-            self._slots.append(slot)
-            self._chunks.append(hello)
-        self.hub.dirty(self)
+            self.send_up(RankOpen(rank))
+            wire = WireRank(rank, self.world_size, self, None, None, *rank_phases)
+            self.ranks[rank] = wire
+            wire.start()
 
     def send_up(self, message: Message) -> None:
-        """Queue an agent message (after the tunnel bytes queued before it)."""
+        """Queue an agent message (after the ranks' messages queued before it)."""
         self._fold()
         self._queued.append(message)
         self.hub.dirty(self)
 
     def kill_rank(self, rank: int) -> None:
         """The rank's process dies: the agent reports the exit, then its connection ends."""
-        slot = rank - self.first_rank
-        if slot in self.ranks:
+        if rank in self.ranks:
             exit = RankExited(rank, os.getpid(), KILLED_RETURNCODE, time.time(), False, "")
             self.send_up(exit)
-            self.close_rank(slot)
+            self.close_rank(rank)
 
-    def close_rank(self, slot: int) -> None:
-        wire = self.ranks.pop(slot, None)
+    def close_rank(self, rank: int) -> None:
+        wire = self.ranks.pop(rank, None)
         if wire is not None:
             wire.open = False
-            self.send_up(TunnelClosed(slot))
+            self.send_up(RankClosed(rank))
 
     def flush(self) -> None:
-        """Send what is queued: the tunnel bytes as one TunnelUp, in order with the rest."""
+        """Send what is queued: the ranks' messages as one RanksUp, in order with the rest."""
         self._fold()
         if self._queued and self.open:
             queued, self._queued = self._queued, []
             self.hub.write(self, b"".join(self.encoder.encode(m) for m in queued))
 
     def _fold(self) -> None:
-        if self._chunks:
-            self._queued.append(TunnelUp(tuple(self._slots), tuple(self._chunks)))
-            self._slots, self._chunks = [], []
+        if self._tags:
+            self._queued.append(RanksUp(tuple(self._tags), tuple(self._payloads)))
+            self._tags, self._payloads = [], []
 
     def received(self, data: bytes, now: float) -> None:
-        """Act on what the coordinator sent the agent: its ranks' bytes, tunnel ends."""
+        """Act on what the coordinator sent the agent: its ranks' messages, their ends."""
         self.decoder.feed(data)
         messages: list[Message] = []
         self.decoder.read_into(messages)
         for message in messages:
-            if isinstance(message, TunnelDown):
-                for slot, chunk in zip(message.slots, message.chunks, strict=True):
-                    self._down(slot, chunk, now)
-            elif isinstance(message, TunnelEnd):
-                wire = self.ranks.pop(message.slot, None)
+            if isinstance(message, RanksDown):
+                for tag, payload, ranks in message.deliveries():
+                    decoded = from_payload(tag, self._decoder.decode(payload), TO_RANK_TAGS)
+                    for rank in ranks:
+                        wire = self.ranks.get(rank)
+                        if wire is not None:
+                            wire.handle((decoded,), now)
+            elif isinstance(message, RankEnd):
+                wire = self.ranks.pop(message.rank, None)
                 if wire is not None:
                     wire.open = False
             if not self.open:
                 return
-
-    def _down(self, slot: int, chunk: bytes, now: float) -> None:
-        wire = self.ranks.get(slot)
-        if wire is not None:
-            wire.received(chunk, now)
-            return
-        joining = self._handshaking.get(slot)
-        if joining is None:
-            return  # a rank already gone
-        joining.reply += chunk
-        if len(joining.reply) < SERVER_HELLO_SIZE:
-            return
-        del self._handshaking[slot]
-        keys = check_server_hello(bytes(joining.reply[:SERVER_HELLO_SIZE]), joining.state)
-        wire = WireRank(joining.rank, self.world_size, self, None, keys, *joining.phases)
-        self.ranks[slot] = wire
-        wire.start()
-        rest = bytes(joining.reply[SERVER_HELLO_SIZE:])
-        if rest:
-            wire.received(rest, now)
 
 
 async def open_wire_host(

@@ -44,20 +44,23 @@ keep the metronome's wait to about a millisecond, so the ranks' ticks stay on sc
 
 
 class RankHub(Protocol):
-    """Where a :class:`WireRank`'s bytes go: the generator's sockets, or its host's tunnel."""
+    """Where a :class:`WireRank`'s messages go: the generator's sockets, or its host's agent."""
 
     recorder: Recorder
     metronome: Metronome
 
-    def write(self, rank: WireRank, data: bytes) -> None: ...
+    def carry(self, rank: WireRank, messages: Sequence[Message], at: float) -> None:
+        """Send ``messages`` of ``rank``, stamped with send time ``at``."""
+        ...
 
     def hang_up(self, rank: WireRank) -> None: ...
 
 
 class WireRank:
-    """One simulated rank of the generator: its :class:`RankLoop` over a raw socket. Frames
-    from the coordinator are decoded into messages for the machine; what the machine sends
-    is stamped with its send time and framed as it is written (:func:`stamped_frames`)."""
+    """One simulated rank of the generator: its :class:`RankLoop` over a raw socket (or, in
+    the agents layout, its host's agent: ``sock`` and ``keys`` None). Frames from the
+    coordinator are decoded into messages for the machine; what the machine sends is stamped
+    with its send time and framed as it is written (:func:`stamped_frames`)."""
 
     def __init__(
         self,
@@ -65,15 +68,16 @@ class WireRank:
         world_size: int,
         hub: RankHub,
         sock: socket.socket | None,
-        keys: SessionKeys,
+        keys: SessionKeys | None,
         batch_phase: float,
         heartbeat_phase: float,
     ) -> None:
         self.rank = rank
         self.hub = hub
         self.sock = sock
-        self.encoder = FrameEncoder(keys.to_coordinator)
-        self.decoder = FrameDecoder(keys.to_rank, allowed_tags=TO_RANK_TAGS)
+        if keys is not None:
+            self.encoder = FrameEncoder(keys.to_coordinator)
+            self.decoder = FrameDecoder(keys.to_rank, allowed_tags=TO_RANK_TAGS)
         self.unsent = bytearray()
         """Bytes the socket did not take yet (written when it is writable again)."""
         self.open = True
@@ -104,6 +108,10 @@ class WireRank:
         self.decoder.feed(data)
         messages: list[Message] = []
         self.decoder.read_into(messages)
+        self.handle(messages, now)
+
+    def handle(self, messages: Sequence[Message], now: float) -> None:
+        """Act on messages from the coordinator, one by one."""
         recorder, loop = self.hub.recorder, self.loop
         for message in messages:
             if recorder.measuring:
@@ -117,7 +125,7 @@ class WireRank:
         if not self.open:
             return
         if messages:
-            self.hub.write(self, stamped_frames(self.encoder, messages, time.perf_counter()))
+            self.hub.carry(self, messages, time.perf_counter())
             self.hub.recorder.count_sent(messages)
         if self.loop.over:
             self.hub.hang_up(self)
@@ -152,6 +160,10 @@ class WireGenerator:
     def add(self, rank: Any) -> None:
         self._by_fd[rank.sock.fileno()] = rank
         self._epoll.register(rank.sock.fileno(), select.EPOLLIN)
+
+    def carry(self, rank: WireRank, messages: Sequence[Message], at: float) -> None:
+        """Frame ``rank``'s messages, stamped with ``at``, and write them."""
+        self.write(rank, stamped_frames(rank.encoder, messages, at))
 
     def write(self, rank: Any, data: bytes) -> None:
         """Write ``data`` now, or queue it behind bytes the socket has not taken yet."""

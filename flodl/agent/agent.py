@@ -10,7 +10,7 @@ to the coordinator at once, a rank that fails is started again while the host's
 ``--restarts`` last (it rejoins the running group), and the first Ctrl-C, SIGTERM or SIGHUP
 asks the coordinator to end the run with a save (a second SIGINT or SIGTERM kills the ranks).
 Every process it started is gone when it returns, whatever happened. Should the agent die
-first (SIGKILL), its ranks' connections, which run through it (:mod:`flodl.agent.tunnel`), end
+first (SIGKILL), its ranks' connections, which end at it (:mod:`flodl.agent.sessions`), end
 with it: each rank saves its bundle as a rank that lost its coordinator does, and exits; the
 coordinator sees them go and the ranks on other hosts re-form without them.
 """
@@ -144,7 +144,7 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
 
     def environment(rank: int, restart_count: int) -> dict[str, str]:
         local_rank = rank - assignment.first_rank
-        url = link.tunnels.url
+        url = link.ranks.url
         return agent_rank_environment(config, assignment, local_rank, key_file, restart_count, url)
 
     starter = RankStarter([config.python, config.script, *config.script_args], environment)
@@ -155,17 +155,17 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
         exit_grace=config.exit_grace,
         kill_says=("kill this host's ranks", "killing this host's ranks"),
     )
-    tunnels = trio.CancelScope()
+    sessions = trio.CancelScope()
 
     async def carry_ranks(task_status: trio.TaskStatus[None]) -> None:
-        with tunnels:
-            await link.tunnels.serve(task_status=task_status)
+        with sessions:
+            await link.ranks.serve(task_status=task_status)
 
     async def carry_link() -> None:
         try:
             await link.run()
         finally:
-            tunnels.cancel()  # the coordinator is gone: so is every rank's connection
+            sessions.cancel()  # the coordinator is gone: so is every rank's connection
 
     common = environment(assignment.first_rank, 0)  # what the warm-start helper imports in
     try:

@@ -21,27 +21,39 @@ import attrs
 import trio
 
 from flodl.agent.config import AgentConfig
-from flodl.agent.tunnel import Chunk, RankTunnels
-from flodl.errors import AgentRefused, ChannelClosed, CoordinatorError, FlodlError
+from flodl.agent.sessions import RankSessions, Said
+from flodl.errors import (
+    AgentRefused,
+    ChannelClosed,
+    CoordinatorError,
+    FlodlError,
+    ProtocolError,
+)
 from flodl.supervise.exits import RankExit
 from flodl.transports.channel import Channel
 from flodl.transports.greeting import connect_agent
 from flodl.transports.reach import local_address, reach_patiently
-from flodl.wire.fields import MAX_BLOB
+from flodl.wire.codec import EncodedMessage, PayloadDecoder
+from flodl.wire.fields import MAX_ITEMS
 from flodl.wire.messages import (
+    TO_RANK_TAGS,
     AgentJoin,
     AgentRefusal,
     AgentStop,
     AssignRanks,
     Message,
+    RankEnd,
     RankExited,
+    RanksDown,
+    RanksUp,
     RunOver,
-    TunnelDown,
-    TunnelEnd,
-    TunnelUp,
+    from_payload,
 )
 
 __all__ = ["AgentLink", "NodeAssignment", "open_agent_link"]
+
+FRAME_BYTES = 1 << 20
+"""Payload bytes of the ranks' messages gathered into one ``RanksUp`` before the next."""
 
 TAIL_CHARS = 2000
 """How much of a rank's output goes with the report of its exit (a traceback's tail)."""
@@ -64,13 +76,23 @@ class NodeAssignment:
 class AgentLink:
     """One agent's channel to its coordinator, once the node's ranks are known."""
 
-    def __init__(self, channel: Channel, node_rank: int, log_dir: Path) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        node_rank: int,
+        log_dir: Path,
+        key: bytes,
+        assignment: NodeAssignment,
+    ) -> None:
         self._channel = channel
         self._node_rank = node_rank
         self._log_dir = log_dir
-        self._outgoing, self._queued = trio.open_memory_channel[Message | Chunk](math.inf)
-        self.tunnels = RankTunnels(self._outgoing.send_nowait)
-        """Where the node's ranks connect; their bytes go up this link."""
+        self._outgoing, self._queued = trio.open_memory_channel[Message | Said](math.inf)
+        self.ranks = RankSessions(
+            self._outgoing.send_nowait, key, assignment.ranks, assignment.world_size
+        )
+        """Where the node's ranks connect; the agent speaks for them over this link."""
+        self._payloads = PayloadDecoder()
         self.run_over = False
         """The coordinator said the run ended (RunOver)."""
         self.lost: FlodlError | None = None
@@ -124,11 +146,12 @@ class AgentLink:
                 finally:
                     nursery.cancel_scope.cancel()
         finally:
+            self.ranks.close()  # the ranks' connections end with the agent's
             self.ended.set()
 
     async def _send_queued(self) -> None:
-        """Send what is queued, in order; the ranks' bytes queued together go up as one
-        TunnelUp (what arrived together: a round's acks, a window's reports)."""
+        """Send what is queued, in order; the ranks' messages queued together go up as one
+        RanksUp (what arrived together: a round's acks, a window's reports)."""
         async for first in self._queued:
             items = [first]
             while True:
@@ -153,17 +176,29 @@ class AgentLink:
             except FlodlError as err:
                 self._lose(err)
                 return
-            if isinstance(message, TunnelDown):
-                for slot, chunk in zip(message.slots, message.chunks, strict=True):
-                    self.tunnels.down(slot, chunk)
-            elif isinstance(message, TunnelEnd):
-                self.tunnels.end(message.slot)
+            if isinstance(message, RanksDown):
+                try:
+                    self._hand_down(message)
+                except ProtocolError as err:
+                    self._lose(err)
+                    return
+            elif isinstance(message, RankEnd):
+                self.ranks.end(message.rank)
             elif isinstance(message, RunOver):
                 self.run_over = True
                 self.ended.set()
             elif isinstance(message, AgentRefusal):
                 who = f"node {self._node_rank}"
                 raise AgentRefused(f"the coordinator refused {who}: {message.reason}")
+
+    def _hand_down(self, down: RanksDown) -> None:
+        """Each message of ``down`` to its ranks, decoded once; ProtocolError if one does not
+        decode (the channel is not trusted after that: the coordinator is lost)."""
+        for tag, payload, ranks in down.deliveries():
+            message = from_payload(tag, self._payloads.decode(payload), TO_RANK_TAGS)
+            encoded = EncodedMessage(message, payload)
+            for rank in ranks:
+                self.ranks.down(rank, encoded)
 
     def _lose(self, err: FlodlError) -> None:
         if self.lost is None and not self.run_over:
@@ -201,32 +236,32 @@ async def open_agent_link(config: AgentConfig, key: bytes) -> tuple[AgentLink, N
         await trio.aclose_forcefully(stream)
         raise
     assignment = NodeAssignment(reply.first_rank, reply.nproc, reply.world_size, host)
-    return AgentLink(channel, config.node_rank, config.run_dir), assignment
+    return AgentLink(channel, config.node_rank, config.run_dir, key, assignment), assignment
 
 
-def _folded(items: Sequence[Message | Chunk]) -> list[Message]:
-    """``items`` as messages, in order: each run of chunks one TunnelUp (or more, each within
-    a frame's size)."""
+def _folded(items: Sequence[Message | Said]) -> list[Message]:
+    """``items`` as messages, in order: each run of the ranks' messages one RanksUp (or more,
+    each within :data:`FRAME_BYTES` and a list's length)."""
     out: list[Message] = []
-    slots: list[int] = []
-    chunks: list[bytes] = []
+    tags: list[int] = []
+    payloads: list[bytes] = []
     size = 0
 
     def close_run() -> None:
         nonlocal size
-        if chunks:
-            out.append(TunnelUp(tuple(slots), tuple(chunks)))
-            slots.clear()
-            chunks.clear()
+        if payloads:
+            out.append(RanksUp(tuple(tags), tuple(payloads)))
+            tags.clear()
+            payloads.clear()
             size = 0
 
     for item in items:
-        if isinstance(item, Chunk):
-            if size + len(item.data) > MAX_BLOB:
+        if isinstance(item, Said):
+            if payloads and (size + len(item.payload) > FRAME_BYTES or len(tags) >= MAX_ITEMS):
                 close_run()
-            slots.append(item.slot)
-            chunks.append(item.data)
-            size += len(item.data)
+            tags.append(item.tag)
+            payloads.append(item.payload)
+            size += len(item.payload)
         else:
             close_run()
             out.append(item)

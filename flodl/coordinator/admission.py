@@ -8,6 +8,7 @@ ranks carry on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -15,21 +16,29 @@ from typing import Protocol
 
 import trio
 
-from flodl.errors import AgentRefused, ConfigError, FlodlError, HandshakeTimeout
+from flodl.coordinator.carried import CarriedRank
+from flodl.errors import ConfigError, DuplicateRank, FlodlError, HandshakeTimeout
 from flodl.transports.channel import Channel
 from flodl.transports.errors import STREAM_ERRORS
 from flodl.transports.greeting import accept_peer
 from flodl.wire.codec import DEFAULT_MAX_PAYLOAD
+from flodl.wire.fields import MAX_TEXT
 from flodl.wire.handshake import check_session_key, check_signature
+from flodl.wire.messages import Abort
 
 logger = logging.getLogger("flodl.coordinator.admission")
 
 RankHandler = Callable[[int, Channel], Awaitable[None]]
-"""``await handler(rank, channel)`` serves one admitted rank until it returns (or, for a node
-agent, ``await agent_handler(node_rank, channel)``)."""
+"""``await handler(rank, channel)`` serves one admitted rank until it returns."""
 
-Tunneled = tuple[trio.abc.Stream, Callable[[int], bool]]
-"""A rank's stream through its node agent, and which ranks that agent may speak for."""
+CarriedHandler = Callable[[int, CarriedRank], Awaitable[None]]
+"""``await carried_handler(rank, carried)`` serves one rank its node agent carries."""
+
+AgentHandler = Callable[[int, Channel], Awaitable[None]]
+"""``await agent_handler(node_rank, channel)`` serves one node agent until it returns."""
+
+Carried = tuple[int, CarriedRank]
+"""A rank its node agent carries (the agent checked its handshake and that it runs it)."""
 
 RankErrorHandler = Callable[[int | None, BaseException], None]
 """``on_rank_error(rank or None, error)``: one connection failed (rank None: before it had one)."""
@@ -73,8 +82,9 @@ async def serve_ranks(
     handshake_timeout: float = 10.0,
     max_payload: int = DEFAULT_MAX_PAYLOAD,
     on_rank_error: RankErrorHandler | None = None,
-    agent_handler: RankHandler | None = None,
-    tunnels: trio.MemoryReceiveChannel[Tunneled] | None = None,
+    agent_handler: AgentHandler | None = None,
+    carried: trio.MemoryReceiveChannel[Carried] | None = None,
+    carried_handler: CarriedHandler | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Admit ranks from ``listener`` and run ``await handler(rank, channel)`` for each.
@@ -84,10 +94,10 @@ async def serve_ranks(
     ``await agent_handler(node_rank, channel)``; their errors are reported as a rank's, with
     the rank None. Without it an agent's hello is refused (ProtocolError).
 
-    ``tunnels`` brings the streams of ranks that reach the coordinator through their node
-    agent (:mod:`flodl.coordinator.tunnels`), each with the ranks its agent may speak for: they
-    are admitted exactly as a listener's streams are, except that a hello for another rank
-    (AgentRefused) or an agent's hello (ProtocolError) is refused.
+    ``carried`` brings the ranks that reach the coordinator through their node agent
+    (:mod:`flodl.coordinator.carried`), whose handshakes the agent checked: each holds its rank
+    id as a connection does (a rank held already is told why, Abort, and ended:
+    DuplicateRank), then is served by ``await carried_handler(rank, carried_rank)``.
 
     Each connection runs in its own task: the handshake must finish within
     ``handshake_timeout`` seconds (else HandshakeTimeout); a rank id is held from the moment
@@ -109,6 +119,8 @@ async def serve_ranks(
     signature = check_signature(signature)
     if handshake_timeout <= 0:
         raise ConfigError(f"handshake_timeout must be > 0, got {handshake_timeout}")
+    if carried is not None and carried_handler is None:
+        raise ConfigError("carried ranks need a carried_handler")
     report = on_rank_error or _log_rank_error
     held: set[int] = set()
     held_nodes: set[int] = set()
@@ -121,16 +133,12 @@ async def serve_ranks(
         spent.add(nonce)
         return False
 
-    async def serve_connection(
-        stream: trio.abc.Stream, allowed: Callable[[int], bool] | None = None
-    ) -> None:
+    async def serve_connection(stream: trio.abc.Stream) -> None:
         claims: list[tuple[set[int], int]] = []
         """What this connection holds (the set and the id in it), released when it ends."""
 
         def claim(ids: set[int], wanted: int) -> bool:
             """True if ``wanted`` is held already; else hold it for this connection."""
-            if allowed is not None and not allowed(wanted):
-                raise AgentRefused(f"rank {wanted} came through the agent of another node")
             if wanted in ids:
                 return True
             ids.add(wanted)
@@ -149,11 +157,7 @@ async def serve_ranks(
                     world_size,
                     signature,
                     taken=partial(claim, held),
-                    agent_taken=(
-                        None
-                        if agent_handler is None or allowed is not None
-                        else partial(claim, held_nodes)
-                    ),
+                    agent_taken=None if agent_handler is None else partial(claim, held_nodes),
                     replayed=replayed,
                     max_payload=max_payload,
                 )
@@ -178,21 +182,44 @@ async def serve_ranks(
                 ids.discard(wanted)
             await trio.aclose_forcefully(stream)
 
-    taking_tunnels = trio.CancelScope()
+    async def serve_carried(rank: int, channel: CarriedRank) -> None:
+        try:
+            if rank in held:
+                raise DuplicateRank(f"rank {rank} is already connected")
+            held.add(rank)
+            try:
+                assert carried_handler is not None  # checked on entry
+                await carried_handler(rank, channel)
+            finally:
+                held.discard(rank)
+        except DuplicateRank as err:
+            report(None, err)
+            with contextlib.suppress(FlodlError):
+                channel.send_nowait([Abort(reason=str(err)[:MAX_TEXT])])
+        except _CONNECTION_ERRORS as err:
+            report(rank, err)
+        except BaseExceptionGroup as group:
+            if group.split(_CONNECTION_ERRORS)[1] is not None:
+                raise
+            report(rank, _sole_leaf(group))
+        finally:
+            await channel.aclose()
 
-    async def serve_tunnels(arriving: trio.MemoryReceiveChannel[Tunneled]) -> None:
-        with taking_tunnels:
-            async for stream, allowed in arriving:
-                nursery.start_soon(serve_connection, stream, allowed)
+    taking_carried = trio.CancelScope()
+
+    async def take_carried(arriving: trio.MemoryReceiveChannel[Carried]) -> None:
+        with taking_carried:
+            async for rank, channel in arriving:
+                nursery.start_soon(serve_carried, rank, channel)
 
     async with trio.open_nursery() as nursery:
-        if tunnels is not None:
-            nursery.start_soon(serve_tunnels, tunnels)
+        if carried is not None:
+            nursery.start_soon(take_carried, carried)
         task_status.started()
         while True:
             try:
                 stream = await listener.accept()
             except trio.ClosedResourceError:
-                taking_tunnels.cancel()  # no new rank from anywhere; the admitted go on
+                taking_carried.cancel()  # no new rank from anywhere; the admitted go on
                 return
             nursery.start_soon(serve_connection, stream)

@@ -8,14 +8,17 @@ them with :class:`~flodl.wire.messages.AssignRanks` once every node before it ha
 and the coordinator start in any order). From then on the agent reports each exit of its
 ranks' processes (:class:`~flodl.wire.messages.RankExited`), which reaches the run's death
 detection at once, as a local supervisor's does, and asks for a save-and-stop when it is
-signalled (:class:`~flodl.wire.messages.AgentStop`). Each of its ranks' connections arrives as
-a tunnel (:class:`~flodl.wire.messages.TunnelOpen`), handed to the admission as that rank's
-stream (:mod:`flodl.coordinator.tunnels`); when the agent's connection ends, so do they. When
-the run ends every agent hears :class:`~flodl.wire.messages.RunOver` and restarts no rank after
-it.
+signalled (:class:`~flodl.wire.messages.AgentStop`). It speaks for its ranks: each rank that
+passed its handshake at the agent is announced (:class:`~flodl.wire.messages.RankOpen`) and
+handed to the admission as a :class:`~flodl.coordinator.carried.CarriedRank`; the messages of
+all its ranks arrive together (:class:`~flodl.wire.messages.RanksUp`), each handed to its rank
+in order, and the coordinator settles its effects once per frame; when the agent's connection
+ends, so do its ranks'. When the run ends every agent hears
+:class:`~flodl.wire.messages.RunOver` and restarts no rank after it.
 
-An agent that claims what is not its own (a rank of another node, a second join, a node that
-joined before with another rank count) is refused: it is told why
+An agent that claims what is not its own (a rank of another node, a message of a rank it did not
+open, a second join, a node that joined before with another rank count) or sends what does not
+decode is refused: it is told why
 (:class:`~flodl.wire.messages.AgentRefusal`) and its connection ends with AgentRefused; the
 run and the other agents are not disturbed.
 """
@@ -25,29 +28,30 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import trio
 
-from flodl.coordinator.admission import Tunneled
+from flodl.coordinator.admission import Carried
+from flodl.coordinator.carried import CarriedRank, Downlink, DownlinkHub
 from flodl.coordinator.links import CONNECTION_ERRORS
-from flodl.coordinator.tunnels import Downlink, DownlinkHub
 from flodl.core.coordinator.hosts import HostTable
-from flodl.errors import AgentRefused, ChannelClosed, HandshakeTimeout
+from flodl.errors import AgentRefused, ChannelClosed, HandshakeTimeout, ProtocolError
 from flodl.supervise.exits import RankExit
 from flodl.transports.channel import Channel
-from flodl.transports.tunnel_stream import TunnelStream
+from flodl.wire.codec import PayloadDecoder
 from flodl.wire.messages import (
+    TO_COORDINATOR_TAGS,
     AgentJoin,
     AgentRefusal,
     AgentStop,
     AssignRanks,
     Message,
+    RankClosed,
     RankExited,
+    RankOpen,
+    RanksUp,
     RunOver,
-    TunnelClosed,
-    TunnelOpen,
-    TunnelUp,
+    from_payload,
 )
 
 log = logging.getLogger("flodl.coordinator.agents")
@@ -61,7 +65,9 @@ class AgentDesk:
     ``rank_exited`` and ``request_stop`` are the coordinator's (an exit goes to its death
     detection at once; a stop ends the run with a save); ``run_over`` is set when the run
     ends; ``join_timeout``: seconds an agent has to say AgentJoin after its handshake;
-    ``tunnels``: where the streams of the ranks an agent carries go to be admitted.
+    ``carried``: where the ranks an agent carries go to be admitted; ``settle()`` is called
+    once the messages of an agent's frame were handed to their ranks (the coordinator writes
+    what they made it decide).
     """
 
     def __init__(
@@ -72,10 +78,12 @@ class AgentDesk:
         request_stop: Callable[[], None],
         run_over: trio.Event,
         join_timeout: float,
-        tunnels: trio.MemorySendChannel[Tunneled],
+        carried: trio.MemorySendChannel[Carried],
+        settle: Callable[[], None] = lambda: None,
     ) -> None:
         self.table = HostTable(world_size)
-        self._tunnels = tunnels
+        self._carried = carried
+        self._settle = settle
         self._rank_exited = rank_exited
         self._request_stop = request_stop
         self._run_over = run_over
@@ -122,8 +130,9 @@ class AgentDesk:
                 nursery.cancel_scope.cancel()
         finally:
             self.table.leave(node_rank)
-            for stream in carried.streams.values():
-                stream.feed_eof()  # the agent is gone: so is every rank it carried
+            gone = ChannelClosed(f"node {node_rank}'s agent is gone")
+            for rank in carried.ranks.values():
+                rank.ended(gone)  # the agent is gone: so is every rank it carried
 
     def _joined(self, node_rank: int, first: Message) -> AgentJoin:
         if not isinstance(first, AgentJoin):
@@ -136,10 +145,6 @@ class AgentDesk:
                 f"{node_rank})"
             )
         return first
-
-    def _runs(self, node_rank: int, rank: int) -> bool:
-        """Whether ``rank`` is one of node ``node_rank``'s."""
-        return self.table.owner(rank) == node_rank
 
     def _numbered_event(self, node_rank: int) -> trio.Event:
         return self._numbered.setdefault(node_rank, trio.Event())
@@ -168,14 +173,18 @@ class AgentDesk:
                 raise
 
     def _take(self, node_rank: int, message: Message, carried: _Carried) -> None:
-        if isinstance(message, TunnelUp):
-            for slot, chunk in zip(message.slots, message.chunks, strict=True):
-                carried.stream(slot).feed(chunk)
-        elif isinstance(message, TunnelOpen):
-            stream = carried.open(message.slot)
-            self._tunnels.send_nowait((stream, partial(self._runs, node_rank)))
-        elif isinstance(message, TunnelClosed):
-            carried.stream(message.slot).feed_eof()
+        if isinstance(message, RanksUp):
+            self._hand_over(carried, message)
+        elif isinstance(message, RankOpen):
+            if self.table.owner(message.rank) != node_rank:
+                raise AgentRefused(
+                    f"node {node_rank}'s agent opened rank {message.rank}, which it does not run"
+                )
+            rank = carried.open(message.rank)
+            self._carried.send_nowait((message.rank, rank))
+        elif isinstance(message, RankClosed):
+            carried.rank(message.rank).ended(None)
+            carried.ranks.pop(message.rank)
         elif isinstance(message, RankExited):
             if self.table.owner(message.rank) != node_rank:
                 raise AgentRefused(
@@ -200,27 +209,56 @@ class AgentDesk:
                 f"node {node_rank}'s agent sent {type(message).__name__} after joining"
             )
 
+    def _hand_over(self, carried: _Carried, up: RanksUp) -> None:
+        """Hand each message of ``up`` to its rank, in order (a run of one rank's messages in
+        one batch), then settle. AgentRefused for a message that does not decode or names a
+        rank the agent did not open (those before it are handed over)."""
+        now = trio.current_time()
+        decode = carried.payloads.decode
+        batch: list[Message] = []
+        into: CarriedRank | None = None
+        try:
+            for tag, payload in zip(up.tags, up.payloads, strict=True):
+                try:
+                    message = from_payload(tag, decode(payload), TO_COORDINATOR_TAGS)
+                except ProtocolError as err:
+                    raise AgentRefused(
+                        f"node {carried.node_rank}'s agent carried a message that does not "
+                        f"decode: {err}"
+                    ) from None
+                rank = carried.rank(message.rank)  # type: ignore[attr-defined]
+                if rank is not into:
+                    if into is not None:
+                        into.deliver(batch, now)
+                    into, batch = rank, []
+                batch.append(message)
+        finally:
+            if into is not None and batch:
+                into.deliver(batch, now)
+            self._settle()
+
 
 class _Carried:
-    """The rank connections one agent carries: its downlink and a stream per tunnel slot."""
+    """The ranks one agent carries: its downlink and a :class:`CarriedRank` per open rank."""
 
     def __init__(self, node_rank: int, downlink: Downlink) -> None:
         self.node_rank = node_rank
         self.downlink = downlink
-        self.streams: dict[int, TunnelStream] = {}
+        self.ranks: dict[int, CarriedRank] = {}
+        self.payloads = PayloadDecoder()
 
-    def open(self, slot: int) -> TunnelStream:
-        if slot in self.streams:
-            raise AgentRefused(f"node {self.node_rank}'s agent opened tunnel {slot} twice")
-        stream = self.streams[slot] = self.downlink.stream(slot)
-        return stream
+    def open(self, rank: int) -> CarriedRank:
+        if rank in self.ranks:
+            raise AgentRefused(f"node {self.node_rank}'s agent opened rank {rank} twice")
+        carried = self.ranks[rank] = CarriedRank(rank, self.downlink)
+        return carried
 
-    def stream(self, slot: int) -> TunnelStream:
+    def rank(self, rank: int) -> CarriedRank:
         try:
-            return self.streams[slot]
+            return self.ranks[rank]
         except KeyError:
             raise AgentRefused(
-                f"node {self.node_rank}'s agent sent on tunnel {slot}, which it never opened"
+                f"node {self.node_rank}'s agent spoke for rank {rank}, which it has not opened"
             ) from None
 
 

@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import attrs
 import trio
 
 from flodl.core.coordinator.effects import Broadcast, Send
 from flodl.core.coordinator.machine import Disconnect, Effect
-from flodl.errors import HandshakeError, TransportError, WireError
-from flodl.transports.channel import Channel
+from flodl.errors import HandshakeError, ProtocolError, TransportError, WireError
 from flodl.transports.errors import STREAM_ERRORS
 from flodl.wire.codec import EncodedMessage, encode_message
 from flodl.wire.fields import MAX_TEXT
@@ -69,10 +69,21 @@ FLUSH_CHUNK = 256
 ranks are spread over steps (:meth:`Links.flush_loop`)."""
 
 
+class RankWire(Protocol):
+    """What a link writes to: a rank's :class:`~flodl.transports.channel.Channel`, or a
+    :class:`~flodl.coordinator.carried.CarriedRank` its node agent carries."""
+
+    def send_nowait(self, messages: Sequence[Outgoing]) -> bool: ...
+
+    async def send_many(self, messages: Sequence[Outgoing]) -> None: ...
+
+    async def flush(self) -> None: ...
+
+
 @attrs.define(eq=False)
 class RankLink:
     rank: int
-    channel: Channel
+    channel: RankWire
     scope: trio.CancelScope
     errors: list[BaseException] = attrs.field(factory=list)
     pending: list[Outgoing] = attrs.field(factory=list)
@@ -84,6 +95,36 @@ class RankLink:
     closed: bool = False
     aborting: bool = False
     """Being let go: its Abort is queued, nothing more is sent or read, it ends once sent."""
+
+
+def link_handlers(
+    link: RankLink,
+    handle_batch: Callable[[int, list[Message], float], None],
+    stop_reading: Callable[[], None],
+) -> tuple[Callable[[list[Message], float], None], Callable[[Exception | None], None]]:
+    """What a shared reader or the agents' desk calls for ``link``'s messages (``handle_batch``
+    feeds them to the machine) and for the end of its channel: a ProtocolError or the end
+    cancels the link's scope, with the error on the link; ``stop_reading()`` makes them be
+    called no more."""
+
+    def ended(error: Exception | None) -> None:
+        if error is not None:
+            link.errors.append(error)
+        link.scope.cancel()
+
+    def on_messages(batch: list[Message], now: float) -> None:
+        if link.scope.cancel_called:
+            # Ended (disconnected, too slow) but its task has not run yet: a read loop would
+            # read nothing more either.
+            stop_reading()
+            return
+        try:
+            handle_batch(link.rank, batch, now)
+        except ProtocolError as err:
+            stop_reading()
+            ended(err)
+
+    return on_messages, ended
 
 
 class Links:
@@ -100,7 +141,7 @@ class Links:
         """Links left for the flush task (:meth:`flush_loop`), in the order they were dirty."""
         self._backlog_wake = trio.Event()
 
-    def open(self, rank: int, channel: Channel, scope: trio.CancelScope) -> RankLink:
+    def open(self, rank: int, channel: RankWire, scope: trio.CancelScope) -> RankLink:
         """The link of ``rank``'s new connection, served by the task that owns ``scope``; it
         replaces any link the rank had."""
         link = RankLink(rank, channel, scope)
@@ -253,4 +294,6 @@ __all__ = [
     "Links",
     "Outgoing",
     "RankLink",
+    "RankWire",
+    "link_handlers",
 ]

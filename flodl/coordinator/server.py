@@ -15,7 +15,9 @@ only moves bytes and time into it and carries its effects out. One nursery owns 
   serves a channel): one trio wake-up serves every channel readable at that moment, where a
   reader task per rank costs a wake-up per channel for about two messages (at 1,024 ranks
   that wake-up is most of the coordinator's cost per message; the figures are in
-  docs/benchmarks.md). A channel no kind serves keeps a read loop of its own. Every path
+  docs/benchmarks.md). A channel no kind serves keeps a read loop of its own; a rank its node
+  agent carries is handed its messages by the agents' desk (:mod:`flodl.coordinator.carried`),
+  one agent frame holding many ranks' messages, settled once. Every path
   hands the machine the same messages in the same order, at the time they were read, and
   ends a rank the same way;
 * the heartbeat task, which beats every ``heartbeat_interval`` whatever else is waiting;
@@ -55,9 +57,10 @@ from functools import partial
 import trio
 
 from flodl.config import CoordinatorConfig
-from flodl.coordinator.admission import Tunneled, serve_ranks
+from flodl.coordinator.admission import Carried, serve_ranks
 from flodl.coordinator.agents import AgentDesk
-from flodl.coordinator.links import CONNECTION_ERRORS, Links, RankLink
+from flodl.coordinator.carried import CarriedRank
+from flodl.coordinator.links import CONNECTION_ERRORS, Links, link_handlers
 from flodl.coordinator.probe import Probing, ShellProbe
 from flodl.core.coordinator.machine import (
     CoordinatorMachine,
@@ -224,7 +227,7 @@ class Coordinator:
 
     # --- tasks ----------------------------------------------------------------------------
 
-    async def serve_rank(self, rank: int, channel: Channel) -> None:
+    async def serve_rank(self, rank: int, channel: Channel | CarriedRank) -> None:
         """Run one admitted rank's connection until it closes; errors end only this rank.
 
         A bad frame, a broken stream or a rank that cannot keep up ends this connection: the
@@ -242,10 +245,14 @@ class Coordinator:
                     now = trio.current_time()
                     connect = partial(self._machine.on_connect, rank, now)
                     self._perform(self._probing.call("connect", rank, now, connect))
-                    reader = self._shared_reader(channel)
-                    if reader is not None:
+                    if isinstance(channel, CarriedRank):  # its agent's desk hands it over
+                        channel.attach(*link_handlers(link, self._handle_batch, channel.detach))
+                        self._after_effects()
+                        await trio.sleep_forever()  # until the desk or anyone ends it
+                    elif (reader := self._shared_reader(channel)) is not None:
                         try:
-                            reader.add(channel, *self._reader_handlers(link, reader))
+                            stop = partial(reader.discard, channel)
+                            reader.add(channel, *link_handlers(link, self._handle_batch, stop))
                             await trio.sleep_forever()  # until the reader or anyone ends it
                         finally:
                             reader.discard(channel)
@@ -278,31 +285,6 @@ class Coordinator:
             reader = self._readers[kind] = kind()
             self._tasks.start_soon(reader.run, self._after_effects)
         return reader
-
-    def _reader_handlers(
-        self, link: RankLink, reader: ChannelReader
-    ) -> tuple[Callable[[list[Message], float], None], Callable[[Exception | None], None]]:
-        """What the shared reader calls for ``link``'s messages and for the end of its channel
-        (both end the connection as :meth:`_read_loop` would)."""
-
-        def ended(error: Exception | None) -> None:
-            if error is not None:
-                link.errors.append(error)
-            link.scope.cancel()
-
-        def on_messages(batch: list[Message], now: float) -> None:
-            if link.scope.cancel_called:
-                # Ended (disconnected, too slow) but its task has not run yet: a read loop
-                # would read nothing more either.
-                reader.discard(link.channel)
-                return
-            try:
-                self._handle_batch(link.rank, batch, now)
-            except ProtocolError as err:
-                reader.discard(link.channel)
-                ended(err)
-
-        return on_messages, ended
 
     async def _read_loop(self, rank: int, channel: Channel) -> None:
         # Every message already buffered is handled in one go: one clock read and one
@@ -453,14 +435,15 @@ async def open_coordinator(
         resume=resume,
     )
     coordinator = Coordinator(machine, config, listener.url, freeze_heap=freeze_heap, probe=probe)
-    tunnels_in, tunnels_out = trio.open_memory_channel[Tunneled](math.inf)
+    carried_in, carried_out = trio.open_memory_channel[Carried](math.inf)
     coordinator.agents = AgentDesk(
         world_size,
         rank_exited=coordinator.rank_exited,
         request_stop=coordinator.request_stop,
         run_over=coordinator._finished,
         join_timeout=config.handshake_timeout,
-        tunnels=tunnels_in,
+        carried=carried_in,
+        settle=coordinator._after_effects,
     )
     try:
         async with trio.open_nursery() as nursery:
@@ -479,7 +462,8 @@ async def open_coordinator(
                 handshake_timeout=config.handshake_timeout,
                 on_rank_error=coordinator.on_rank_error,
                 agent_handler=coordinator.agents.serve,
-                tunnels=tunnels_out,
+                carried=carried_out,
+                carried_handler=coordinator.serve_rank,
             )
             await nursery.start(serving)
             yield coordinator

@@ -14,7 +14,6 @@ from flodl.transports.channel import Channel
 from flodl.transports.channel_reader import ChannelReader
 from flodl.transports.memory_reader import MemoryReader
 from flodl.transports.socket_reader import SocketReader
-from flodl.transports.tunnel_reader import TunnelReader
 
 __all__ = ["register_reader", "reader_for"]
 
@@ -37,4 +36,3 @@ def reader_for(channel: Channel) -> type[ChannelReader] | None:
 
 register_reader(MemoryReader)
 register_reader(SocketReader)
-register_reader(TunnelReader)

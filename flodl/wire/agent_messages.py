@@ -2,10 +2,10 @@
 
 Part of the one catalogue, :mod:`flodl.wire.messages` (which imports them): tags 128-159 travel
 from an agent to the coordinator, 160-191 back. A rank's channel accepts none of them, and an
-agent's channel nothing else. The node's ranks reach the coordinator through their agent: each
-rank's connection is a *tunnel* whose bytes (the rank's own handshake and authenticated frames,
-untouched) the agent carries in :class:`TunnelUp` and :class:`TunnelDown`, so a host holds one
-connection to the coordinator however many ranks it runs.
+agent's channel nothing else. The node's ranks reach the coordinator through their agent, which
+speaks for them: each rank's handshake and frames end at the agent, which checks them and
+carries the ranks' messages in :class:`RanksUp` and :class:`RanksDown`, many to a frame under
+one MAC, so a host holds one connection to the coordinator however many ranks it runs.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import attrs
 
+from flodl.errors import MessageValidationError
 from flodl.wire.fields import blob_list, boolean, f64, i64, text, u64, u64_list
 from flodl.wire.message_base import Message
 
@@ -24,13 +25,13 @@ __all__ = [
     "AgentRefusal",
     "AgentStop",
     "AssignRanks",
+    "RankClosed",
+    "RankEnd",
     "RankExited",
+    "RankOpen",
+    "RanksDown",
+    "RanksUp",
     "RunOver",
-    "TunnelClosed",
-    "TunnelDown",
-    "TunnelEnd",
-    "TunnelOpen",
-    "TunnelUp",
 ]
 
 
@@ -69,31 +70,44 @@ class AgentStop(Message):
 
 
 @attrs.frozen
-class TunnelOpen(Message):
-    """One of the node's ranks connected to the agent: its bytes travel as tunnel ``slot``
-    (an agent's own number for the connection, never reused while the agent lives)."""
+class RankOpen(Message):
+    """Rank ``rank`` of the node connected to the agent and passed its handshake there: the
+    agent speaks for it from now on."""
 
-    TAG: ClassVar[int] = 131
-    slot: int = u64()
-
-
-@attrs.frozen
-class TunnelUp(Message):
-    """What the node's ranks sent, in order: ``chunks[i]`` from tunnel ``slots[i]``. Whatever
-    arrived together travels in one frame (a window's batch reports, heartbeats, a round's
-    acks of every rank of the host)."""
-
-    TAG: ClassVar[int] = 132
-    slots: tuple[int, ...] = u64_list()
-    chunks: tuple[bytes, ...] = blob_list()
+    TAG: ClassVar[int] = 134
+    rank: int = u64()
 
 
 @attrs.frozen
-class TunnelClosed(Message):
-    """Tunnel ``slot``'s rank connection ended on the agent's side."""
+class RanksUp(Message):
+    """What the node's ranks sent, in order: message ``i`` has tag ``tags[i]`` and the CBOR
+    payload ``payloads[i]``, as the rank framed it (each names its rank in its ``rank`` field).
+    Whatever the ranks sent together travels in one frame under one MAC: a window's reports,
+    heartbeats, a round's acks of every rank of the host."""
 
-    TAG: ClassVar[int] = 133
-    slot: int = u64()
+    TAG: ClassVar[int] = 135
+    tags: tuple[int, ...] = u64_list()
+    payloads: tuple[bytes, ...] = blob_list()
+
+    def __attrs_post_init__(self) -> None:
+        _equal_lengths(("tags", self.tags), ("payloads", self.payloads))
+
+
+@attrs.frozen
+class RankClosed(Message):
+    """Rank ``rank``'s connection to the agent ended (the agent no longer speaks for it)."""
+
+    TAG: ClassVar[int] = 136
+    rank: int = u64()
+
+
+def _equal_lengths(*fields: tuple[str, tuple[object, ...]]) -> None:
+    lengths = [len(values) for _, values in fields]
+    if len(set(lengths)) != 1:
+        names = ", ".join(f"'{name}'" for name, _ in fields)
+        raise MessageValidationError(
+            f"fields {names}: expected lists of equal length, got {lengths}"
+        )
 
 
 @attrs.frozen
@@ -119,29 +133,50 @@ FROM_AGENT: tuple[type[Message], ...] = (
     AgentJoin,
     RankExited,
     AgentStop,
-    TunnelOpen,
-    TunnelUp,
-    TunnelClosed,
+    RankOpen,
+    RanksUp,
+    RankClosed,
 )
 """Messages a node agent sends to the coordinator."""
 
 
 @attrs.frozen
-class TunnelDown(Message):
-    """What the coordinator sends the node's ranks, in order: ``chunks[i]`` for tunnel
-    ``slots[i]`` (a broadcast to the host is one frame)."""
+class RanksDown(Message):
+    """What the coordinator sends the node's ranks, in order: message ``i`` (tag ``tags[i]``,
+    CBOR payload ``payloads[i]``) goes to the next ``fanout[i]`` ranks of ``ranks``. A message
+    for several of the host's ranks (a broadcast) travels once."""
 
-    TAG: ClassVar[int] = 163
-    slots: tuple[int, ...] = u64_list()
-    chunks: tuple[bytes, ...] = blob_list()
+    TAG: ClassVar[int] = 165
+    tags: tuple[int, ...] = u64_list()
+    payloads: tuple[bytes, ...] = blob_list()
+    fanout: tuple[int, ...] = u64_list()
+    ranks: tuple[int, ...] = u64_list()
+
+    def __attrs_post_init__(self) -> None:
+        _equal_lengths(("tags", self.tags), ("payloads", self.payloads), ("fanout", self.fanout))
+        if 0 in self.fanout or sum(self.fanout) != len(self.ranks):
+            raise MessageValidationError(
+                f"field 'fanout': expected counts of at least 1 adding up to the "
+                f"{len(self.ranks)} ranks, got {list(self.fanout)}"
+            )
+
+    def deliveries(self) -> list[tuple[int, bytes, tuple[int, ...]]]:
+        """``(tag, payload, ranks)`` of each message, in order."""
+        out = []
+        at = 0
+        for tag, payload, count in zip(self.tags, self.payloads, self.fanout, strict=True):
+            out.append((tag, payload, self.ranks[at : at + count]))
+            at += count
+        return out
 
 
 @attrs.frozen
-class TunnelEnd(Message):
-    """The coordinator ended tunnel ``slot``'s connection: the agent closes the rank's."""
+class RankEnd(Message):
+    """The coordinator ended rank ``rank``'s connection: the agent closes it, once what was
+    sent to the rank before is written."""
 
-    TAG: ClassVar[int] = 164
-    slot: int = u64()
+    TAG: ClassVar[int] = 166
+    rank: int = u64()
 
 
 @attrs.frozen
@@ -152,5 +187,5 @@ class AgentRefusal(Message):
     reason: str = text()
 
 
-TO_AGENT: tuple[type[Message], ...] = (AssignRanks, RunOver, AgentRefusal, TunnelDown, TunnelEnd)
+TO_AGENT: tuple[type[Message], ...] = (AssignRanks, RunOver, AgentRefusal, RanksDown, RankEnd)
 """Messages the coordinator sends to a node agent."""

@@ -26,13 +26,13 @@ from flodl.wire.agent_messages import AgentJoin as AgentJoin  # one catalogue: e
 from flodl.wire.agent_messages import AgentRefusal as AgentRefusal
 from flodl.wire.agent_messages import AgentStop as AgentStop
 from flodl.wire.agent_messages import AssignRanks as AssignRanks
+from flodl.wire.agent_messages import RankClosed as RankClosed
+from flodl.wire.agent_messages import RankEnd as RankEnd
 from flodl.wire.agent_messages import RankExited as RankExited
+from flodl.wire.agent_messages import RankOpen as RankOpen
+from flodl.wire.agent_messages import RanksDown as RanksDown
+from flodl.wire.agent_messages import RanksUp as RanksUp
 from flodl.wire.agent_messages import RunOver as RunOver
-from flodl.wire.agent_messages import TunnelClosed as TunnelClosed
-from flodl.wire.agent_messages import TunnelDown as TunnelDown
-from flodl.wire.agent_messages import TunnelEnd as TunnelEnd
-from flodl.wire.agent_messages import TunnelOpen as TunnelOpen
-from flodl.wire.agent_messages import TunnelUp as TunnelUp
 from flodl.wire.fields import (
     blob,
     duration_list,

@@ -1,4 +1,4 @@
-"""The node agent's small parts: folding its ranks' bytes into frames, its restart budget,
+"""The node agent's small parts: folding its ranks' messages into frames, its restart budget,
 what it says when it ends, and the environment of its ranks."""
 
 from __future__ import annotations
@@ -7,32 +7,31 @@ from pathlib import Path
 
 from flodl.agent.agent import AgentResult, agent_rank_environment
 from flodl.agent.config import AgentConfig
-from flodl.agent.link import NodeAssignment, _folded
-from flodl.agent.tunnel import Chunk
+from flodl.agent.link import FRAME_BYTES, NodeAssignment, _folded
+from flodl.agent.sessions import Said
 from flodl.supervise.ranks import RestartBudget
-from flodl.wire.fields import MAX_BLOB
-from flodl.wire.messages import AgentStop, Message, TunnelClosed, TunnelOpen, TunnelUp
+from flodl.wire.messages import AgentStop, Message, RankClosed, RankOpen, RanksUp
 
 
-def test_bytes_queued_together_go_up_as_one_frame_and_other_messages_keep_their_place() -> None:
-    items: list[Message | Chunk] = [
-        TunnelOpen(0),
-        Chunk(0, b"a"),
-        Chunk(1, b"b"),
-        Chunk(0, b"c"),
+def test_messages_queued_together_go_up_as_one_frame_and_the_others_keep_their_place() -> None:
+    items: list[Message | Said] = [
+        RankOpen(0),
+        Said(66, b"a"),
+        Said(64, b"b"),
+        Said(66, b"c"),
         AgentStop("signalled"),
-        Chunk(1, b"d"),
-        TunnelClosed(1),
+        Said(65, b"d"),
+        RankClosed(1),
     ]
     assert _folded(items) == [
-        TunnelOpen(0),
-        TunnelUp((0, 1, 0), (b"a", b"b", b"c")),
+        RankOpen(0),
+        RanksUp((66, 64, 66), (b"a", b"b", b"c")),
         AgentStop("signalled"),
-        TunnelUp((1,), (b"d",)),
-        TunnelClosed(1),
+        RanksUp((65,), (b"d",)),
+        RankClosed(1),
     ]
-    big = [Chunk(0, b"x" * (MAX_BLOB // 2 + 1)) for _ in range(3)]
-    assert [len(m.slots) for m in _folded(big) if isinstance(m, TunnelUp)] == [1, 1, 1]
+    big = [Said(64, b"x" * (FRAME_BYTES // 2 + 1)) for _ in range(3)]
+    assert [len(m.tags) for m in _folded(big) if isinstance(m, RanksUp)] == [1, 1, 1]
 
 
 def test_a_hosts_restarts_are_shared_by_its_ranks() -> None:

@@ -18,7 +18,7 @@ async def carrying_agent(
     coord: Coordinator, node: int, nproc: int, folder: Path, key: bytes
 ) -> AsyncIterator[AgentLink]:
     """Node ``node``'s agent as ``flodl agent`` runs it, without starting any rank: the ranks a
-    test connects to ``link.tunnels.url`` reach ``coord`` through it."""
+    test connects to ``link.ranks.url`` reach ``coord`` through it."""
     folder.mkdir(parents=True, exist_ok=True)
     script = folder / "train.py"
     script.write_text("")
@@ -27,7 +27,7 @@ async def carrying_agent(
     )
     link, _ = await open_agent_link(config, key)
     async with trio.open_nursery() as nursery:
-        await nursery.start(link.tunnels.serve)
+        await nursery.start(link.ranks.serve)
         nursery.start_soon(link.run)
         try:
             yield link

@@ -2,9 +2,10 @@
 
 Four scripted ranks (:mod:`flodl.testing`) of unequal speed, one of which crashes, train to
 the end under trio's mock clock over TCP, once connected to the coordinator directly and once
-through two node agents of two ranks each (every rank's connection a tunnel over its agent's
-one connection). The coordinator's timeline (windows, anchors, rounds, the death, the
-re-formation) and what its machine is handed from each rank are the same.
+through two node agents of two ranks each (every rank's connection ending at its agent,
+which speaks for it over its one connection). The coordinator's timeline (windows, anchors,
+rounds, the death, the re-formation) and what its machine is handed from each rank are the
+same.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ async def run(tmp_path: Path, through_agents: bool) -> tuple[list[str], dict[int
                     )
                     for node in (0, 1)
                 ]
-                urls = [links[rank // 2].tunnels.url for rank in range(4)]
+                urls = [links[rank // 2].ranks.url for rank in range(4)]
             else:
                 urls = [coord.url] * 4
             started = trio.current_time()

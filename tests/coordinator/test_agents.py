@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
+import cbor2
 import pytest
 import trio
 from trio.testing import MockClock
@@ -37,14 +38,20 @@ from flodl.wire.messages import (
     AssignRanks,
     CoordHeartbeat,
     Heartbeat,
+    Message,
     RankExited,
+    RankOpen,
+    RanksDown,
+    RanksUp,
     RunOver,
     RunSettings,
+    to_payload,
 )
 from tests.coordinator.agent_helpers import carrying_agent
 
 KEY = bytes(range(32))
 WORLD = 4
+HEARTBEAT_1 = cbor2.dumps(to_payload(Heartbeat(1, 0)))
 
 
 @asynccontextmanager
@@ -180,7 +187,7 @@ async def test_agents_with_a_wrong_key_or_version_are_refused_with_the_typed_err
 
 
 async def rank_through(link: AgentLink, rank: int, world: int = WORLD) -> Channel:
-    return await connect_rank(await connect(link.tunnels.url), KEY, rank, world)
+    return await connect_rank(await connect(link.ranks.url), KEY, rank, world)
 
 
 async def test_ranks_reach_the_coordinator_through_their_agents_one_connection(
@@ -218,18 +225,75 @@ async def test_ranks_reach_the_coordinator_through_their_agents_one_connection(
                 await ranks[2].receive()
 
 
-async def test_a_rank_through_another_nodes_agent_is_refused(
+async def test_a_rank_through_another_nodes_agent_is_refused_by_that_agent(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
     async with coordinator() as coord, carrying_agent(coord, 0, 2, tmp_path / "a", KEY) as first:
         async with carrying_agent(coord, 1, 2, tmp_path / "b", KEY):
-            stream = await connect(first.tunnels.url)
+            stream = await connect(first.ranks.url)
             with pytest.raises(HandshakeError):  # rank 3 is node 1's: the hello goes unanswered
                 await connect_rank(stream, KEY, 3, WORLD)
             await stream.aclose()
-            errors = [err for _, err in coord.rank_errors]
-            assert [type(err) for err in errors] == [AgentRefused]
-            assert "rank 3 came through the agent of another node" in str(errors[0])
+            assert coord.connected_ranks == set()  # it never reached the coordinator
             honest = await rank_through(first, 0)  # the agent's own ranks still get in
             assert isinstance(await honest.receive(), RunSettings)
+            second = await connect(first.ranks.url)
+            with pytest.raises(DuplicateRank):  # one connection per rank, as at the coordinator
+                await connect_rank(second, KEY, 0, WORLD)
+            await second.aclose()
+            assert coord.connected_ranks == {0}
             await honest.aclose()
+
+
+async def test_a_rank_that_lies_about_its_id_is_let_go_by_its_agent(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    async with coordinator() as coord, carrying_agent(coord, 0, 2, tmp_path / "a", KEY) as first:
+        liar = await rank_through(first, 0)
+        honest = await rank_through(first, 1)
+        assert isinstance(await liar.receive(), RunSettings)
+        assert isinstance(await honest.receive(), RunSettings)
+        await liar.send(Heartbeat(1, 0))  # rank 0 speaking as rank 1
+        with pytest.raises(ChannelClosed):
+            while True:
+                await liar.receive()
+        await trio.sleep(1)
+        assert coord.connected_ranks == {1}  # the honest rank is undisturbed
+        await honest.send(Heartbeat(1, 0))
+        assert isinstance(await honest.receive(), CoordHeartbeat)
+        await liar.aclose()
+        await honest.aclose()
+
+
+@pytest.mark.parametrize(
+    ("claim", "why"),
+    [
+        (RankOpen(2), "node 0's agent opened rank 2, which it does not run"),
+        (RanksUp((Heartbeat.TAG,), (HEARTBEAT_1,)), "spoke for rank 1, which it has not opened"),
+        (RanksUp((Heartbeat.TAG,), (b"\xff\x00",)), "carried a message that does not decode"),
+        (RanksUp((AgentJoin.TAG,), (HEARTBEAT_1,)), "carried a message that does not decode"),
+    ],
+    ids=["foreign-rank", "unopened-rank", "garbage", "wrong-kind"],
+)
+async def test_an_agent_that_speaks_for_what_it_does_not_carry_is_refused(
+    autojump_clock: MockClock, claim: Message, why: str
+) -> None:
+    async with coordinator() as coord, agent(coord, 0, 2) as liar, agent(coord, 1, 2) as honest:
+        assert await liar.receive() == AssignRanks(0, 2, WORLD)
+        assert await honest.receive() == AssignRanks(2, 2, WORLD)
+        await honest.send(RankOpen(2))
+        assert isinstance(await honest.receive(), RanksDown)  # rank 2's RunSettings
+        await liar.send(RankOpen(0))
+        assert isinstance(await liar.receive(), RanksDown)
+        await liar.send(claim)
+        while not isinstance(message := await liar.receive(), AgentRefusal):
+            pass
+        assert why in message.reason
+        await trio.sleep(1)
+        errors = {(rank, type(err)) for rank, err in coord.rank_errors}
+        assert errors == {(None, AgentRefused), (0, ChannelClosed)}  # the agent, and its rank
+        assert coord.connected_ranks == {2}  # the liar's rank went with it; the other stays
+        await honest.send(RanksUp((Heartbeat.TAG,), (cbor2.dumps(to_payload(Heartbeat(2, 0))),)))
+        down = await honest.receive()
+        assert isinstance(down, RanksDown) and down.ranks == (2,)
+        assert down.tags == (CoordHeartbeat.TAG,)

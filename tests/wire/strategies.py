@@ -17,7 +17,7 @@ import attrs
 from hypothesis import strategies as st
 
 from flodl.wire import fields
-from flodl.wire.messages import ALL_MESSAGES, Batches, Message
+from flodl.wire.messages import ALL_MESSAGES, Batches, Message, RanksDown, RanksUp
 
 any_float = st.floats(allow_nan=True, allow_infinity=True)
 durations = st.floats(min_value=0.0, allow_nan=False, allow_infinity=False)
@@ -69,10 +69,42 @@ def _batches(draw: st.DrawFn) -> Batches:
     )
 
 
+@st.composite
+def _ranks_up(draw: st.DrawFn) -> RanksUp:
+    """Valid RanksUp: as many tags as payloads."""
+    n = draw(st.integers(0, 6))
+    return RanksUp(
+        tags=tuple(draw(st.lists(st.integers(0, fields.U64_MAX), min_size=n, max_size=n))),
+        payloads=tuple(draw(st.lists(st.binary(max_size=60), min_size=n, max_size=n))),
+    )
+
+
+@st.composite
+def _ranks_down(draw: st.DrawFn) -> RanksDown:
+    """Valid RanksDown: a tag, a payload and a count of at least one rank per message, the
+    counts adding up to the ranks."""
+    fanout = tuple(draw(st.lists(st.integers(1, 4), max_size=6)))
+    n = len(fanout)
+    return RanksDown(
+        tags=tuple(draw(st.lists(st.integers(0, fields.U64_MAX), min_size=n, max_size=n))),
+        payloads=tuple(draw(st.lists(st.binary(max_size=60), min_size=n, max_size=n))),
+        fanout=fanout,
+        ranks=tuple(
+            draw(
+                st.lists(st.integers(0, fields.U64_MAX), min_size=sum(fanout), max_size=sum(fanout))
+            )
+        ),
+    )
+
+
 def message_strategy(cls: type[Message]) -> st.SearchStrategy[Message]:
     """Valid instances of ``cls``."""
     if cls is Batches:
         return _batches()
+    if cls is RanksUp:
+        return _ranks_up()
+    if cls is RanksDown:
+        return _ranks_down()
     kwargs = {f.name: field_strategy(cls, f) for f in attrs.fields(cls)}
     return st.builds(cls, **kwargs)
 
