@@ -344,5 +344,7 @@ def profile(run: Callable[[], object], top: int) -> None:
     finally:
         profiler.disable()
     stats = pstats.Stats(profiler)
+    if dump := os.environ.get("FLODL_BENCH_PROFILE"):
+        stats.dump_stats(dump)  # for pstats' callers and callees
     stats.sort_stats(pstats.SortKey.TIME).print_stats(top)
     stats.sort_stats(pstats.SortKey.CUMULATIVE).print_stats("flodl", top)

@@ -38,6 +38,7 @@ from flodl.core.coordinator.hosts import HostTable
 from flodl.errors import AgentRefused, ChannelClosed, HandshakeTimeout, ProtocolError
 from flodl.supervise.exits import RankExit
 from flodl.transports.channel import Channel
+from flodl.transports.channel_reader import ChannelReader
 from flodl.wire.codec import PayloadDecoder
 from flodl.wire.messages import (
     TO_COORDINATOR_TAGS,
@@ -65,9 +66,10 @@ class AgentDesk:
     ``rank_exited`` and ``request_stop`` are the coordinator's (an exit goes to its death
     detection at once; a stop ends the run with a save); ``run_over`` is set when the run
     ends; ``join_timeout``: seconds an agent has to say AgentJoin after its handshake;
-    ``carried``: where the ranks an agent carries go to be admitted; ``settle()`` is called
-    once the messages of an agent's frame were handed to their ranks (the coordinator writes
-    what they made it decide).
+    ``carried``: where the ranks an agent carries go to be admitted; ``reader_for(channel)``:
+    the shared reader for an agent's channel (None: the agent's task reads it), which settles
+    after each pass; ``settle()`` is called after each frame an agent's task read (the
+    coordinator writes what its messages made it decide).
     """
 
     def __init__(
@@ -80,10 +82,12 @@ class AgentDesk:
         join_timeout: float,
         carried: trio.MemorySendChannel[Carried],
         settle: Callable[[], None] = lambda: None,
+        reader_for: Callable[[Channel], ChannelReader | None] = lambda _channel: None,
     ) -> None:
         self.table = HostTable(world_size)
         self._carried = carried
         self._settle = settle
+        self._reader_for = reader_for
         self._rank_exited = rank_exited
         self._request_stop = request_stop
         self._run_over = run_over
@@ -160,21 +164,63 @@ class AgentDesk:
 
     async def _listen(self, node_rank: int, channel: Channel, carried: _Carried) -> None:
         """Take the agent's messages until its connection ends; AgentRefused (the agent told
-        why first) for one that claims what is not the agent's."""
-        while True:
-            try:
-                message = await channel.receive()
-            except ChannelClosed:
-                return
-            try:
-                self._take(node_rank, message, carried)
-            except AgentRefused as err:
-                await _refuse(channel, err)
-                raise
+        why first) for one that claims what is not the agent's, the channel's wire error for a
+        bad frame.
 
-    def _take(self, node_rank: int, message: Message, carried: _Carried) -> None:
+        With a shared reader for the agent's kind of stream (the coordinator's), every agent
+        whose frames arrived is read in one pass and the effects settled once per pass, as for
+        ranks connected directly; else this task reads, and settles after each frame."""
+        while channel.holds_result:  # what came with AgentJoin
+            for message in await channel.receive_batch():
+                await self._take_or_refuse(node_rank, message, carried, channel)
+        reader = self._reader_for(channel)
+        if reader is None:
+            while True:
+                try:
+                    message = await channel.receive()
+                except ChannelClosed:
+                    return
+                await self._take_or_refuse(node_rank, message, carried, channel)
+        ended = trio.Event()
+        failure: list[Exception] = []
+
+        def on_messages(batch: list[Message], now: float) -> None:
+            try:
+                for message in batch:
+                    self._take(node_rank, message, carried, now)
+            except AgentRefused as err:
+                reader.discard(channel)
+                on_end(err)
+
+        def on_end(error: Exception | None) -> None:
+            if error is not None:
+                failure.append(error)
+            ended.set()
+
+        reader.add(channel, on_messages, on_end)
+        try:
+            await ended.wait()
+        finally:
+            reader.discard(channel)
+        if failure:
+            if isinstance(failure[0], AgentRefused):
+                await _refuse(channel, failure[0])
+            raise failure[0]
+
+    async def _take_or_refuse(
+        self, node_rank: int, message: Message, carried: _Carried, channel: Channel
+    ) -> None:
+        try:
+            self._take(node_rank, message, carried, trio.current_time())
+        except AgentRefused as err:
+            await _refuse(channel, err)
+            raise
+        finally:
+            self._settle()
+
+    def _take(self, node_rank: int, message: Message, carried: _Carried, now: float) -> None:
         if isinstance(message, RanksUp):
-            self._hand_over(carried, message)
+            self._hand_over(carried, message, now)
         elif isinstance(message, RankOpen):
             if self.table.owner(message.rank) != node_rank:
                 raise AgentRefused(
@@ -209,11 +255,10 @@ class AgentDesk:
                 f"node {node_rank}'s agent sent {type(message).__name__} after joining"
             )
 
-    def _hand_over(self, carried: _Carried, up: RanksUp) -> None:
+    def _hand_over(self, carried: _Carried, up: RanksUp, now: float) -> None:
         """Hand each message of ``up`` to its rank, in order (a run of one rank's messages in
-        one batch), then settle. AgentRefused for a message that does not decode or names a
-        rank the agent did not open (those before it are handed over)."""
-        now = trio.current_time()
+        one batch). AgentRefused for a message that does not decode or names a rank the agent
+        did not open (those before it are handed over)."""
         decode = carried.payloads.decode
         batch: list[Message] = []
         into: CarriedRank | None = None
@@ -235,7 +280,6 @@ class AgentDesk:
         finally:
             if into is not None and batch:
                 into.deliver(batch, now)
-            self._settle()
 
 
 class _Carried:

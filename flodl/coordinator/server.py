@@ -444,6 +444,7 @@ async def open_coordinator(
         join_timeout=config.handshake_timeout,
         carried=carried_in,
         settle=coordinator._after_effects,
+        reader_for=coordinator._shared_reader,
     )
     try:
         async with trio.open_nursery() as nursery:

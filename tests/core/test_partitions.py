@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -374,3 +375,33 @@ def test_readmitted_rank_starts_over_with_a_first_span() -> None:
     assert message == StartEpoch(epoch=3, partition_offset=40, partition_size=30)
     assert pool.ledger.in_flight(1) == 3 and pool.ledger.completed(1) == 0
     assert 1 in pool.ledger.ranks
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["assign", "complete", "reassign", "readmit"]), st.integers(0, 3)
+        ),
+        max_size=40,
+    )
+)
+def test_all_completed_agrees_with_every_live_ranks_count(ops: list[tuple[str, int]]) -> None:
+    """The ledger keeps the live ranks' unfinished batches as one sum (asked after every
+    report); through any mix of handing out, finishing, deaths and rejoins it says what
+    asking every live rank would."""
+    ledger = EpochLedger(0, batch_size=4)
+    offset = 0
+    for op, rank in ops:
+        if op == "assign":
+            with contextlib.suppress(CoordinatorError):  # a rank that left: refused
+                ledger.assign(rank, Span(offset, 6))
+            offset += 6
+        elif op == "complete":
+            ledger.complete(rank, 1)
+        elif op == "reassign":
+            ledger.reassign(rank, [r for r in range(4) if r != rank])
+        elif op == "readmit":
+            ledger.readmit(rank)
+        expected = all(ledger.in_flight(r) == 0 for r in ledger.ranks)
+        assert ledger.all_completed() == expected, (op, rank)

@@ -155,6 +155,9 @@ class EpochLedger:
         self._dispatched: dict[int, int] = {}
         self._completed: dict[int, int] = {}
         self._closed: set[int] = set()
+        self._outstanding = 0
+        """Batches the live ranks were given and have not finished (summed: asked after every
+        report, so kept rather than counted)."""
 
     @property
     def epoch(self) -> int:
@@ -186,7 +189,7 @@ class EpochLedger:
 
     def all_completed(self) -> bool:
         """True when every live rank finished every batch it was given."""
-        return all(self.in_flight(r) == 0 for r in self.ranks)
+        return self._outstanding == 0
 
     def assign(self, rank: int, span: Span) -> StartEpoch | ExtendPartition:
         """Give ``span`` to ``rank``: StartEpoch for its first span this epoch, else
@@ -197,7 +200,9 @@ class EpochLedger:
             raise CoordinatorError(f"partitions: empty span for rank {rank}")
         first = rank not in self._spans
         self._spans.setdefault(rank, []).append(span)
-        self._dispatched[rank] = self.dispatched(rank) + _batches_in(span.size, self._batch_size)
+        batches = _batches_in(span.size, self._batch_size)
+        self._dispatched[rank] = self.dispatched(rank) + batches
+        self._outstanding += batches
         if first:
             return StartEpoch(
                 epoch=self._epoch, partition_offset=span.offset, partition_size=span.size
@@ -217,6 +222,7 @@ class EpochLedger:
             return batches
         fit = min(batches, self.in_flight(rank))
         self._completed[rank] = self.completed(rank) + fit
+        self._outstanding -= fit
         return batches - fit
 
     def remainder(self, rank: int) -> list[Span]:
@@ -261,6 +267,7 @@ class EpochLedger:
             return []
         takers = sorted(set(survivors) - {dead} - self._closed)
         pieces = self.remainder(dead)
+        self._outstanding -= self.in_flight(dead)  # handed to the takers below, or dropped
         self._closed.add(dead)
         if not takers or not pieces:
             return []
