@@ -140,12 +140,15 @@ class Links:
         self._backlog: deque[RankLink] = deque()
         """Links left for the flush task (:meth:`flush_loop`), in the order they were dirty."""
         self._backlog_wake = trio.Event()
+        self.version = 0
+        """Counts the links opened and closed (tells a reader of :attr:`by_rank` it changed)."""
 
     def open(self, rank: int, channel: RankWire, scope: trio.CancelScope) -> RankLink:
         """The link of ``rank``'s new connection, served by the task that owns ``scope``; it
         replaces any link the rank had."""
         link = RankLink(rank, channel, scope)
         self.by_rank[rank] = link
+        self.version += 1
         return link
 
     def close(self, link: RankLink) -> None:
@@ -153,6 +156,7 @@ class Links:
         dropped, and :meth:`wait_all_closed` hears of it."""
         if self.by_rank.get(link.rank) is link:
             del self.by_rank[link.rank]
+            self.version += 1
         link.closed = True
         link.pending.clear()
         self._closed.set()

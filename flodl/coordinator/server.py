@@ -322,16 +322,25 @@ class Coordinator:
 
         Each rank gets one beat per interval, at a phase of its own: the interval is cut into
         :data:`HEARTBEAT_SLOTS` slots and rank ``r`` beats in slot ``r % HEARTBEAT_SLOTS``, so
-        a large world is not sent (and does not answer) a thousand frames at one instant.
+        a large world is not sent (and does not answer) a thousand frames at one instant. The
+        ranks a node agent carries beat in their node's slot, together: one frame per host.
         """
         interval = self._config.heartbeat_interval
-        world_size = self._machine.world_size
         beat = encode_message(CoordHeartbeat())
         started = trio.current_time()
         links = self._links
         slot = 0
+        by_slot: list[list[int]] = []
+        placed = -1  # the links' version by_slot was built for
         while not self._finished.is_set():
-            for rank in range(slot % HEARTBEAT_SLOTS, world_size, HEARTBEAT_SLOTS):
+            if links.version != placed:  # someone came or went: place the ranks again
+                owner = self.agents.table.owner if self.agents is not None else lambda _r: None
+                by_slot = [[] for _ in range(HEARTBEAT_SLOTS)]
+                for rank in links.by_rank:
+                    node = owner(rank)
+                    by_slot[(rank if node is None else node) % HEARTBEAT_SLOTS].append(rank)
+                placed = links.version
+            for rank in by_slot[slot % HEARTBEAT_SLOTS]:
                 link = links.by_rank.get(rank)
                 if link is not None:
                     links.enqueue(link, beat)

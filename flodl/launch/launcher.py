@@ -2,7 +2,7 @@
 
 ``flodl run`` is the coordinator plus the node agent's supervision in one process: the ranks
 are run by :class:`~flodl.agent.host_ranks.HostRanks`, as under ``flodl agent``, with the
-coordinator itself as their link (no tunnel: they connect to it directly).
+coordinator itself as their link (no agent between: they connect to it directly).
 
 :func:`launch` opens the coordinator, starts ``nproc`` copies of the training script with the
 environment a rank needs (torchrun-style RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /

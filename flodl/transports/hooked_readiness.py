@@ -2,11 +2,11 @@
 :class:`~flodl.transports.channel_reader.Readiness` that in-process streams share.
 
 A stream of such a kind calls a readable hook when something lands on it (``memory://``
-streams, the tunnels of ranks carried through a node agent). Each watched stream's hook marks
-it in an ordered set owned by the readiness and wakes the reader's one task if it is parked
-(once: later marks only join the set). Nothing polls. A kind names its stream type and says
-whether a stream holds something to read; a kind whose data becomes readable later (a memory
-link's latency) also says when (:meth:`HookedReadiness._next_due`, :meth:`_collect_due`).
+streams). Each watched stream's hook marks it in an ordered set owned by the readiness and
+wakes the reader's one task if it is parked (once: later marks only join the set). Nothing
+polls. A kind names its stream type and says whether a stream holds something to read; a kind
+whose data becomes readable later (a memory link's latency) also says when
+(:meth:`HookedReadiness._next_due`, :meth:`_collect_due`).
 """
 
 from __future__ import annotations

@@ -286,7 +286,7 @@ def test_the_agents_layout_carries_every_rank_through_its_host(tmp_path: Path) -
     assert section["per_host"] == 4
     (row,) = section["counts"]
     assert row["layout"] == "4 agents x 4 ranks"
-    # The ranks' own frames reach the machine through the tunnels, each with its send time.
+    # The ranks' own messages reach the machine through their agents, each with its send time.
     assert row["unstamped_messages"] == 0
     assert row["latency"]["count"] == row["messages"] == sum(row["messages_by_kind"].values())
     assert 16 * 2 * 6 <= row["batch_reports"] <= 16 * 2 * 10 * 1.25  # as for 8 ranks above

@@ -207,7 +207,7 @@ async def test_ranks_reach_the_coordinator_through_their_agents_one_connection(
             ]
             for channel in ranks:
                 closing.push_async_callback(channel.aclose)
-            for channel in ranks:  # the coordinator's first word, through the tunnel
+            for channel in ranks:  # the coordinator's first word, through the agent
                 assert isinstance(await channel.receive(), RunSettings)
             assert coord.connected_ranks == {0, 1, 2, 3}
             await ranks[3].send(Heartbeat(3, 0))
@@ -297,3 +297,21 @@ async def test_an_agent_that_speaks_for_what_it_does_not_carry_is_refused(
         down = await honest.receive()
         assert isinstance(down, RanksDown) and down.ranks == (2,)
         assert down.tags == (CoordHeartbeat.TAG,)
+
+
+async def test_the_ranks_of_one_agent_get_their_heartbeat_together_in_one_frame(
+    autojump_clock: MockClock,
+) -> None:
+    async with coordinator() as coord, agent(coord, 0, 4) as only:
+        assert await only.receive() == AssignRanks(0, 4, WORLD)
+        for rank in range(4):
+            await only.send(RankOpen(rank))
+        beats: list[tuple[int, ...]] = []
+        with trio.move_on_after(3.5):  # past the interval the ranks first beat in
+            while True:
+                message = await only.receive()
+                assert isinstance(message, RanksDown)
+                beats += [r for tag, _, r in message.deliveries() if tag == CoordHeartbeat.TAG]
+        assert coord.connected_ranks == {0, 1, 2, 3}
+        assert len(beats) >= 2
+        assert all(sorted(ranks) == [0, 1, 2, 3] for ranks in beats)  # one payload, one frame
