@@ -173,9 +173,9 @@ def int_enum(kind: type[E]) -> Any:
     return attrs.field(converter=convert, validator=check)
 
 
-def _tuple_of(item_ok: Callable[[object], bool], noun: str, each: str) -> Any:
-    """A list of at most ``MAX_ITEMS`` items each passing ``item_ok``, stored as a tuple;
-    refused as "a list of at most N ``noun``" or "a list of ``noun`` ``each``"."""
+def _tuple_of(items_ok: Callable[[tuple[Any, ...]], bool], noun: str, each: str) -> Any:
+    """A list of at most ``MAX_ITEMS`` items, all of which ``items_ok`` accepts, stored as a
+    tuple; refused as "a list of at most N ``noun``" or "a list of ``noun`` ``each``"."""
 
     def convert(value: object) -> object:
         return tuple(value) if type(value) is list else value
@@ -183,26 +183,34 @@ def _tuple_of(item_ok: Callable[[object], bool], noun: str, each: str) -> Any:
     def check(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if type(value) is not tuple or len(value) > MAX_ITEMS:
             raise _fail(attribute, f"a list of at most {MAX_ITEMS} {noun}", value)
-        if not all(item_ok(item) for item in value):
+        if not items_ok(value):
             raise _fail(attribute, f"a list of {noun} {each}", value)
 
     return attrs.field(factory=tuple, converter=convert, validator=check)
 
 
+# The list checks run on every agent frame (a host's messages): whole-list builtins rather
+# than a Python call per item. type() is compared exactly, so bool is not an int here.
+
+
+def _u64s(items: tuple[Any, ...]) -> bool:
+    return not items or (
+        set(map(type, items)) == {int} and min(items) >= 0 and max(items) <= U64_MAX
+    )
+
+
+def _blobs(items: tuple[Any, ...]) -> bool:
+    return not items or (set(map(type, items)) == {bytes} and max(map(len, items)) <= MAX_BLOB)
+
+
 def u64_list() -> Any:
     """A list of u64 values of bounded length, stored as a tuple."""
-    return _tuple_of(
-        lambda item: type(item) is int and 0 <= item <= U64_MAX, "integers", "in [0, 2**64)"
-    )
+    return _tuple_of(_u64s, "integers", "in [0, 2**64)")
 
 
 def blob_list() -> Any:
     """A list of byte strings, each of at most ``MAX_BLOB`` bytes, stored as a tuple."""
-    return _tuple_of(
-        lambda item: type(item) is bytes and len(item) <= MAX_BLOB,
-        "byte strings",
-        f"of at most {MAX_BLOB} bytes",
-    )
+    return _tuple_of(_blobs, "byte strings", f"of at most {MAX_BLOB} bytes")
 
 
 def _float_tuple(value: object) -> object:

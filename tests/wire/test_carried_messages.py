@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from flodl.errors import MessageValidationError
+from flodl.wire.fields import MAX_BLOB, MAX_ITEMS
 from flodl.wire.messages import RanksDown, RanksUp
 
 
@@ -36,3 +37,24 @@ def test_ranks_down_whose_lists_disagree_is_refused(
 ) -> None:
     with pytest.raises(MessageValidationError, match=error):
         RanksDown(*fields)
+
+
+@pytest.mark.parametrize(
+    ("tags", "payloads", "error"),
+    [
+        ((True,), (b"x",), "field 'tags': expected a list of integers in"),  # a bool is no int
+        ((-1,), (b"x",), "field 'tags': expected a list of integers in"),
+        ((2**64,), (b"x",), "field 'tags': expected a list of integers in"),
+        ((1.0,), (b"x",), "field 'tags': expected a list of integers in"),
+        ((1,), ("x",), "field 'payloads': expected a list of byte strings"),
+        ((1,), (b"x" * (MAX_BLOB + 1),), "field 'payloads': expected a list of byte strings"),
+        ((1,) * (MAX_ITEMS + 1), (b"",) * (MAX_ITEMS + 1), "a list of at most"),
+    ],
+    ids=["bool", "negative", "too-large", "float", "text", "oversized", "too-many"],
+)
+def test_a_list_with_one_bad_item_is_refused_whatever_the_others(
+    tags: tuple[object, ...], payloads: tuple[object, ...], error: str
+) -> None:
+    good_tags, good_payloads = (64,) * 3, (b"ok",) * 3
+    with pytest.raises(MessageValidationError, match=error):
+        RanksUp((*good_tags, *tags), (*good_payloads, *payloads))  # type: ignore[arg-type]
