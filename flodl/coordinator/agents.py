@@ -12,8 +12,8 @@ signalled (:class:`~flodl.wire.messages.AgentStop`). It speaks for its ranks: ea
 passed its handshake at the agent is announced (:class:`~flodl.wire.messages.RankOpen`) and
 handed to the admission as a :class:`~flodl.coordinator.carried.CarriedRank`; the messages of
 all its ranks arrive together (:class:`~flodl.wire.messages.RanksUp`), each handed to its rank
-in order, and the coordinator settles its effects once per frame; when the agent's connection
-ends, so do its ranks'. When the run ends every agent hears
+in order; agents' frames are read as ranks' are, by the coordinator's shared reader, which
+settles the effects once per pass. When the agent's connection ends, so do its ranks'. When the run ends every agent hears
 :class:`~flodl.wire.messages.RunOver` and restarts no rank after it.
 
 An agent that claims what is not its own (a rank of another node, a message of a rank it did not
