@@ -13,8 +13,9 @@ passed its handshake at the agent is announced (:class:`~flodl.wire.messages.Ran
 handed to the admission as a :class:`~flodl.coordinator.carried.CarriedRank`; the messages of
 all its ranks arrive together (:class:`~flodl.wire.messages.RanksUp`), each handed to its rank
 in order; agents' frames are read as ranks' are, by the coordinator's shared reader, which
-settles the effects once per pass. When the agent's connection ends, so do its ranks'. When the run ends every agent hears
-:class:`~flodl.wire.messages.RunOver` and restarts no rank after it.
+settles the effects once per pass. When the agent's connection ends, so do its ranks'. When
+the run ends every agent hears :class:`~flodl.wire.messages.RunOver` and restarts no rank after
+it.
 
 An agent that claims what is not its own (a rank of another node, a message of a rank it did not
 open, a second join, a node that joined before with another rank count) or sends what does not
