@@ -22,6 +22,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import cbor2
@@ -87,6 +88,8 @@ class RankSessions:
         self._world_size = world_size
         self._sessions: dict[int, _Session] = {}
         self._spent: set[bytes] = set()
+        self._held: set[int] = set()
+        """Ranks with a connection from their handshake's verified hello to its end."""
         self._closed = False
         self._folder = Path(tempfile.mkdtemp(prefix="flodl-agent-"))
         self.url = f"unix://{self._folder / 'ranks.sock'}"
@@ -132,11 +135,17 @@ class RankSessions:
         for session in self._sessions.values():
             session.scope.cancel()
 
-    def _claim(self, rank: int) -> bool:
-        """True if ``rank`` is connected already; AgentRefused if this node does not run it."""
+    def _claim(self, rank: int, claims: list[int]) -> bool:
+        """True if ``rank`` is held already; else hold it for the connection whose ``claims``
+        these are (called with nothing awaited before the decision: ids stay unique).
+        AgentRefused if this node does not run it."""
         if rank not in self._ranks:
             raise AgentRefused(f"rank {rank} is not one of this node's ranks {self._ranks}")
-        return rank in self._sessions
+        if rank in self._held:
+            return True
+        self._held.add(rank)
+        claims.append(rank)
+        return False
 
     def _replayed(self, nonce: bytes) -> bool:
         if nonce in self._spent:
@@ -145,13 +154,21 @@ class RankSessions:
         return False
 
     async def _serve(self, stream: trio.abc.Stream) -> None:
+        claims: list[int] = []
+        try:
+            await self._carry(stream, claims)
+        finally:
+            self._held.difference_update(claims)
+            await trio.aclose_forcefully(stream)
+
+    async def _carry(self, stream: trio.abc.Stream, claims: list[int]) -> None:
         try:
             with trio.move_on_after(HANDSHAKE_TIMEOUT) as deadline:
                 rank, channel = await accept_rank(
                     stream,
                     self._key,
                     self._world_size,
-                    taken=self._claim,
+                    taken=partial(self._claim, claims=claims),
                     replayed=self._replayed,
                 )
             if deadline.cancelled_caught:
@@ -160,10 +177,8 @@ class RankSessions:
                 )
         except REFUSALS as err:
             log.warning("refused a rank's connection: %s: %s", type(err).__name__, err)
-            await trio.aclose_forcefully(stream)
             return
         if self._closed:
-            await trio.aclose_forcefully(stream)
             return
         session = self._sessions[rank] = _Session(rank, channel)
         self._up(RankOpen(rank))
@@ -176,7 +191,6 @@ class RankSessions:
         finally:
             del self._sessions[rank]
             self._up(RankClosed(rank))
-            await trio.aclose_forcefully(stream)
 
     async def _read(self, session: _Session) -> None:
         """Queue what the rank sends to go up, until its connection ends or it lies."""
