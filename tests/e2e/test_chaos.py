@@ -36,8 +36,8 @@ CHAOS_RANK = Path(__file__).with_name("chaos_rank.py")
 TARGET_ACCURACY = 0.93
 """What a survivor's model must reach: a sound run lands at 95-98% of the 359 test digits, but a
 run that lost two of four ranks drew 341 of 359 (94.99%) once in CI, one digit from a 95% floor.
-A model an abandoned all-reduce wrote into, or one that stopped learning, lands far below 93%;
-whether the survivors averaged is the hashes' question, not this one."""
+The floor catches a model that stopped learning or was corrupted; whether the survivors
+averaged is the hashes' question, not this one."""
 EPOCHS = 8
 OUTER_EPOCHS = 16
 """With the outer step, 8 epochs reached 93-95% after a fault now and then, and 12 reached
