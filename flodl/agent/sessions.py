@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
-import cbor2
 import trio
 
 from flodl.errors import AgentRefused, FlodlError, HandshakeTimeout, ProtocolError
@@ -33,8 +32,8 @@ from flodl.transports import open_listener
 from flodl.transports.channel import Channel
 from flodl.transports.errors import STREAM_ERRORS
 from flodl.transports.greeting import accept_rank
-from flodl.wire.codec import EncodedMessage
-from flodl.wire.messages import Message, RankClosed, RankOpen, to_payload
+from flodl.wire.codec import EncodedMessage, encode_message
+from flodl.wire.messages import Message, RankClosed, RankOpen
 
 log = logging.getLogger("flodl.agent")
 
@@ -213,7 +212,7 @@ class RankSessions:
                         claimed,
                     )
                     return
-                up(Said(message.TAG, cbor2.dumps(to_payload(message))))
+                up(Said(message.TAG, encode_message(message).payload))
 
     async def _write(self, session: _Session, carrying: trio.CancelScope) -> None:
         channel = session.channel

@@ -21,14 +21,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 
-import cbor2
 import trio
 
 from flodl.errors import BrokenChannel, FrameTooLarge
 from flodl.transports.channel import Channel
-from flodl.wire.codec import EncodedMessage
+from flodl.wire.codec import EncodedMessage, encode_message
 from flodl.wire.fields import MAX_BLOB, MAX_ITEMS
-from flodl.wire.messages import Message, RankEnd, RanksDown, to_payload
+from flodl.wire.messages import Message, RankEnd, RanksDown
 
 __all__ = ["DOWNLINK_LIMIT", "FRAME_BYTES", "CarriedRank", "Downlink", "DownlinkHub"]
 
@@ -110,10 +109,10 @@ class Downlink:
             raise self.broken
         try:
             for message in messages:
-                if isinstance(message, EncodedMessage):
-                    tag, payload = message.message.TAG, message.payload
-                else:
-                    tag, payload = message.TAG, cbor2.dumps(to_payload(message))
+                encoded = (
+                    message if isinstance(message, EncodedMessage) else encode_message(message)
+                )
+                tag, payload = encoded.message.TAG, encoded.payload
                 if len(payload) > MAX_BLOB:
                     raise FrameTooLarge(
                         f"a {len(payload)}-byte message cannot travel through an agent (at most "
