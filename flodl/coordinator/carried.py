@@ -140,16 +140,14 @@ class Downlink:
             return
         if not self._queue and not self._ended:
             return
-        queued, ended = list(self._queue), list(self._ended)
-        try:
-            written = self._channel.send_nowait(self._take())
-        except trio.WouldBlock:  # an async send holds the channel: nothing was sent
-            self._queue.extendleft(reversed(queued))  # so it all stays queued, in order
-            self._ended[:0] = ended
+        if not self._channel.writes_now:  # an async send holds the channel: leave it queued
             written = False
-        except Exception as err:  # the channel's typed errors; the ranks report it
-            self.broken = err
-            written = False
+        else:
+            try:
+                written = self._channel.send_nowait(self._take())
+            except Exception as err:  # the channel's typed errors; the ranks report it
+                self.broken = err
+                written = False
         if not written:
             self._own_task_writes = True  # it flushes the rest (or returns, broken)
             self._wake.set()

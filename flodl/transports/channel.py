@@ -136,7 +136,7 @@ class Channel:
         :meth:`send_many` (frames before a too-large one are still sent).
         """
         stream = self._nowait
-        if stream is None or self._send_lock.locked() or self._unsent:
+        if stream is None or not self.writes_now:
             raise trio.WouldBlock
         if self._send_broken is not None:
             raise BrokenChannel(f"cannot send: an earlier send failed ({self._send_broken!r})")
@@ -152,6 +152,13 @@ class Channel:
         if too_large is not None:
             raise too_large
         return not self._unsent
+
+    @property
+    def writes_now(self) -> bool:
+        """Whether :meth:`send_nowait` may write now: False exactly when it would raise
+        ``trio.WouldBlock`` (an async send holds the channel, bytes of an earlier write wait,
+        or the stream cannot write without waiting)."""
+        return self._nowait is not None and not self._send_lock.locked() and not self._unsent
 
     def _encode(
         self, messages: Sequence[Message | EncodedMessage]
