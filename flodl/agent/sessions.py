@@ -31,7 +31,7 @@ from flodl.errors import AgentRefused, FlodlError, HandshakeTimeout, ProtocolErr
 from flodl.transports import open_listener
 from flodl.transports.channel import Channel
 from flodl.transports.errors import STREAM_ERRORS
-from flodl.transports.greeting import accept_rank
+from flodl.transports.greeting import SpentNonces, accept_rank
 from flodl.wire.codec import EncodedMessage, encode_message
 from flodl.wire.messages import Message, RankClosed, RankOpen
 
@@ -86,7 +86,7 @@ class RankSessions:
         self._ranks = ranks
         self._world_size = world_size
         self._sessions: dict[int, _Session] = {}
-        self._spent: set[bytes] = set()
+        self._replayed = SpentNonces()
         self._held: set[int] = set()
         """Ranks with a connection from their handshake's verified hello to its end."""
         self._closed = False
@@ -144,12 +144,6 @@ class RankSessions:
             return True
         self._held.add(rank)
         claims.append(rank)
-        return False
-
-    def _replayed(self, nonce: bytes) -> bool:
-        if nonce in self._spent:
-            return True
-        self._spent.add(nonce)
         return False
 
     async def _serve(self, stream: trio.abc.Stream) -> None:

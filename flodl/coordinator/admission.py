@@ -20,7 +20,7 @@ from flodl.coordinator.carried import CarriedRank
 from flodl.errors import ConfigError, DuplicateRank, FlodlError, HandshakeTimeout
 from flodl.transports.channel import Channel
 from flodl.transports.errors import STREAM_ERRORS
-from flodl.transports.greeting import accept_peer
+from flodl.transports.greeting import SpentNonces, accept_peer
 from flodl.wire.codec import DEFAULT_MAX_PAYLOAD
 from flodl.wire.fields import MAX_TEXT
 from flodl.wire.handshake import check_session_key, check_signature
@@ -124,14 +124,8 @@ async def serve_ranks(
     report = on_rank_error or _log_rank_error
     held: set[int] = set()
     held_nodes: set[int] = set()
-    spent: set[bytes] = set()
-    """Nonces of every hello that verified: a second use is a replay (32 bytes each)."""
-
-    def replayed(nonce: bytes) -> bool:
-        if nonce in spent:
-            return True
-        spent.add(nonce)
-        return False
+    replayed = SpentNonces()
+    """Nonces of every hello that verified: a second use is a replay."""
 
     async def serve_connection(stream: trio.abc.Stream) -> None:
         claims: list[tuple[set[int], int]] = []

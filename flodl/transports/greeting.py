@@ -44,9 +44,23 @@ from flodl.wire.handshake import (
 )
 from flodl.wire.messages import FROM_AGENT_TAGS, TO_AGENT_TAGS, TO_COORDINATOR_TAGS, TO_RANK_TAGS
 
-__all__ = ["accept_peer", "accept_rank", "connect_agent", "connect_rank"]
+__all__ = ["SpentNonces", "accept_peer", "accept_rank", "connect_agent", "connect_rank"]
 
 _HANDSHAKING = map_exceptions(STREAM_ERRORS, "stream broke during the handshake")
+
+
+class SpentNonces:
+    """The ``replayed`` check of :func:`accept_peer`: remembers every nonce it is asked about
+    (32 bytes each) and says True for one asked about before, a recorded hello sent again."""
+
+    def __init__(self) -> None:
+        self._spent: set[bytes] = set()
+
+    def __call__(self, nonce: bytes) -> bool:
+        if nonce in self._spent:
+            return True
+        self._spent.add(nonce)
+        return False
 
 
 async def _receive_exactly(
