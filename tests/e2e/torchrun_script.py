@@ -14,11 +14,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 
-def main(out: Path, train: bool) -> None:
+def main(out: Path, train: bool) -> DistributedDataParallel | None:
+    """Returns the model, for the caller to keep alive until ``os._exit`` (see below)."""
     rank = int(os.environ["RANK"])
     (out / f"env{rank}.json").write_text(json.dumps(dict(os.environ)))
     if not train:
-        return
+        return None
     dist.init_process_group("gloo")  # env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
     torch.manual_seed(rank)  # different starts: DDP broadcasts rank 0's at construction
     model = DistributedDataParallel(torch.nn.Linear(4, 2))
@@ -37,14 +38,18 @@ def main(out: Path, train: bool) -> None:
     dist.destroy_process_group()
     if not same:
         sys.exit(3)
+    return model
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), train=sys.argv[2:] == ["--train"])
+    kept = main(Path(sys.argv[1]), train=sys.argv[2:] == ["--train"])
     # DDP's reducer keeps the gloo group (and its worker threads) alive after
-    # destroy_process_group; a process whose interpreter tears down with those threads running
-    # aborts at random (SIGABRT, "terminate called without an active exception"), under
-    # torchrun as under flodl run. Leaving without that teardown is the usual way out.
+    # destroy_process_group, and neither may be torn down with those threads running: an
+    # interpreter exit aborts at random (SIGABRT, "terminate called without an active
+    # exception"), and freeing the model deadlocks at random (the group's destructor joins a
+    # worker thread while holding the GIL, and that thread needs the GIL to free the last
+    # all_gather's tensors). Under torchrun as under flodl run; leaving without either
+    # teardown, the model still referenced, is the usual way out.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
