@@ -46,11 +46,13 @@ PRELOAD = (
     "numba",
     "flodl.averaging._fused",
     "setproctitle",
+    "torch._dynamo",
 )
-"""What the helper imports before its first fork: what every rank imports first, and numba
+"""What the helper imports before its first fork: what every rank imports first; numba
 with flodl's averaging loops, which a rank imports when it first joins a group (their machine
 code still loads in the rank, from numba's disk cache: running it here would start a thread
-before the forks)."""
+before the forks); and torch._dynamo, which torch imports at a rank's first optimizer
+(``add_param_group``), two seconds of CPU per rank on a small machine (it starts no thread)."""
 
 MAX_MESSAGE = 1 << 20
 """The largest request the helper reads (an environment of a few hundred variables)."""
