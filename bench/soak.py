@@ -7,7 +7,8 @@ from the range), waiting first until every rank is back and training. The faults
 order shuffled once per cycle of five:
 
 - ``sigkill``: SIGKILL a rank from outside;
-- ``sigstop``: SIGSTOP a rank for the heartbeat timeout plus a second, then SIGCONT;
+- ``sigstop``: SIGSTOP a rank for the heartbeat timeout plus a second, then SIGCONT (where
+  the launcher has not killed it already: it SIGKILLs a rank declared dead for silence);
 - ``kill-during-regroup``: SIGKILL a rank with a trap armed so that the first survivor to
   join the re-formed group SIGKILLs itself inside ``join_group`` (two faults);
 - ``kill-while-saving``: the next rank to write a bundle SIGKILLs itself once a file is staged;
@@ -31,6 +32,7 @@ run's folder (``--run-dir``) has the launcher's log and pid beside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -188,7 +190,8 @@ class Soak:
         elif kind == "sigstop":
             fault = self.signal_rank("sigstop", rank, signal.SIGSTOP)
             await trio.sleep(self.args.heartbeat_timeout + 1.0)
-            os.kill(fault.pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # the launcher killed it
+                os.kill(fault.pid, signal.SIGCONT)
         elif kind == "kill-during-regroup":
             armed, armed_after = self.arm("regroup")
             self.signal_rank("sigkill", rank, signal.SIGKILL)

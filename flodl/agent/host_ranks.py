@@ -20,6 +20,7 @@ from typing import Protocol
 import trio
 
 from flodl.coordinator.signals import Stoppable, StopSignals, watch_signals
+from flodl.core.coordinator.timeline import EventKind, TimelineEvent
 from flodl.supervise.exits import ExitSink
 from flodl.supervise.ranks import (
     LOST_RANK_GRACE,
@@ -32,7 +33,7 @@ from flodl.supervise.ranks import (
     supervise_rank,
 )
 
-__all__ = ["HostRanks", "RunLink", "StartRank"]
+__all__ = ["HostRanks", "RunLink", "StartRank", "silenced_ranks"]
 
 StartRank = Callable[[int, int], Awaitable[RankHandle]]
 """``start(rank, restart_count)``: the rank's process, started (in a session of its own)."""
@@ -115,8 +116,33 @@ class HostRanks:
                         item.exited_unix = time.time()
                         item.exit_log.exited(item.rank, item.process.pid, code, item.exited_unix)
 
+    def kill_silenced(self, rank: int) -> None:
+        """SIGKILL ``rank``'s process if it is running: the run declared the rank dead for
+        silence, and a paused (SIGSTOP) or stuck process does not exit on its own. Its
+        supervisor sees the exit and restarts it, as after any failure (when restarts are left).
+
+        Safe against killing a restarted process: a rank is declared silent only while its
+        connection is open, and a process that exited first was reported (and the rank lost as
+        exited) before its supervisor started another."""
+        for item in self.spawned:
+            if item.rank == rank and item.process.returncode is None:
+                item.exit_log.killing(item.process)
+                item.process.kill()
+
     async def _supervise(self, item: RankProcess, link: RunLink) -> None:
         async def restart(rank: int) -> RankHandle:
             return await self._start(rank, item.restarts)
 
         await supervise_rank(item, link, self._supervision, restart)
+
+
+def silenced_ranks(kill: Callable[[int], None]) -> Callable[[int, TimelineEvent], None]:
+    """An event sink (``Coordinator.add_event_sink``) that calls ``kill(rank)`` for each rank
+    the run declares dead for silence: how ``flodl run`` has its host's paused or stuck ranks
+    killed, and so restarted, at once (:meth:`HostRanks.kill_silenced`)."""
+
+    def sink(seq: int, event: TimelineEvent) -> None:
+        if event.kind is EventKind.RANK_DEAD and event.detail.get("cause") == "silent":
+            kill(event.detail["rank"])
+
+    return sink

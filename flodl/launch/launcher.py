@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from flodl.agent.host_ranks import HostRanks
+from flodl.agent.host_ranks import HostRanks, silenced_ranks
 from flodl.checkpoint.resume import ResumePlan, plan_resume, save_coordinator_meta
 from flodl.coordinator.server import open_coordinator
 from flodl.host.console import say
@@ -171,6 +171,7 @@ async def _launch(
             dashboard = await nursery.start(run_views, observer, config.views)
             if dashboard is not None and config.echo:
                 say(f"flodl: dashboard at {dashboard}")
+            coordinator.add_event_sink(silenced_ranks(host.kill_silenced))
             await host.run(coordinator)
             nursery.cancel_scope.cancel()
         spawned, stops = host.spawned, host.stops

@@ -402,6 +402,25 @@ async def test_sigstopped_rank_is_declared_dead_by_heartbeat(tmp_path: Path) -> 
     assert timeout - 0.2 <= recovered < timeout + 3.0
 
 
+async def test_a_sigstopped_rank_is_killed_when_declared_dead_and_restarted(
+    tmp_path: Path,
+) -> None:
+    # A paused process never exits on its own: its supervisor kills it as soon as the run
+    # declares it dead, and restarts it like any failed rank, well before the run's end.
+    run = await chaos_run(
+        tmp_path / "run", 3, ["2:stop-compute:10"], heartbeat_timeout=2.0, restarts=1, step_ms=25.0
+    )
+    assert_completed(run, [0, 1, 2])
+    assert_deaths(run, {2: "silent"})
+    assert run.summary["ranks"][2]["restarts"] == 1
+    assert len(list((run.run_dir / "chaos" / "pids").glob("rank2.*"))) == 2
+    assert_identical_after_every_round(run, [0, 1], [2])
+    rejoined = run.hashes(2)
+    assert rejoined, "the restarted rank never averaged with the others"
+    assert rejoined == run.hashes(0)[-len(rejoined) :]
+    assert rejoined[0][1] > run.fault(2)["generation"]
+
+
 # --- saves instead of going on --------------------------------------------------------------------
 
 
