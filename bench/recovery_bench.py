@@ -225,7 +225,7 @@ async def trial(nproc: int, kind: str, at_batch: int, epochs: int, run_dir: Path
         run_dir=run_dir,
         coordinator=coordinator,
         echo=False,
-        exit_grace=3.0 if sigstop else 10.0,  # the stopped rank is killed after the grace
+        exit_grace=3.0 if sigstop else 10.0,
     )
     load_before = load()
     with trio.fail_after(300):

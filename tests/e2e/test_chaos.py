@@ -396,7 +396,7 @@ async def test_sigstopped_rank_is_declared_dead_by_heartbeat(tmp_path: Path) -> 
     assert_completed(run, [0, 1])
     assert_identical_after_every_round(run, [0, 1], [2])
     assert_deaths(run, {2: "silent"})
-    assert run.summary["ranks"][2]["exit_code"] == SIGKILLED  # the launcher killed it at the end
+    assert run.summary["ranks"][2]["exit_code"] == SIGKILLED  # the launcher, once it was dead
     fault = run.fault(2)
     recovered = run.first_round_after(fault, [0, 1]) - fault["unix"]
     assert timeout - 0.2 <= recovered < timeout + 3.0
