@@ -732,6 +732,7 @@ TO_AGENT_TAGS = {
     "AgentRefusal": 162,
     "RanksDown": 165,
     "RankEnd": 166,
+    "KillRank": 167,
 }
 ALL_TAGS = {**TO_RANK_TAGS, **TO_COORDINATOR_TAGS, **FROM_AGENT_TAGS, **TO_AGENT_TAGS}
 

@@ -155,6 +155,7 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
         exit_grace=config.exit_grace,
         kill_says=("kill this host's ranks", "killing this host's ranks"),
     )
+    link.kill_rank = host.kill_silenced  # a rank the run declared dead for silence
     sessions = trio.CancelScope()
 
     async def carry_ranks(task_status: trio.TaskStatus[None]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -41,6 +41,7 @@ from flodl.wire.messages import (
     AgentRefusal,
     AgentStop,
     AssignRanks,
+    KillRank,
     Message,
     RankEnd,
     RankExited,
@@ -99,6 +100,9 @@ class AgentLink:
         """Why the coordinator was lost, when it was (None: it was not)."""
         self.ended = trio.Event()
         """Set once the run ended or the coordinator was lost: the ranks are to exit."""
+        self.kill_rank: Callable[[int], None] = lambda _rank: None
+        """What the coordinator's KillRank calls (the agent's
+        :meth:`~flodl.agent.host_ranks.HostRanks.kill_silenced`)."""
 
     # --- ExitSink, Stoppable ----------------------------------------------------------------
 
@@ -184,6 +188,8 @@ class AgentLink:
                     return
             elif isinstance(message, RankEnd):
                 self.ranks.end(message.rank)
+            elif isinstance(message, KillRank):
+                self.kill_rank(message.rank)
             elif isinstance(message, RunOver):
                 self.run_over = True
                 self.ended.set()

@@ -36,6 +36,7 @@ from flodl.coordinator.admission import Carried
 from flodl.coordinator.carried import CarriedRank, Downlink, DownlinkHub
 from flodl.coordinator.links import CONNECTION_ERRORS
 from flodl.core.coordinator.hosts import HostTable
+from flodl.core.coordinator.timeline import EventKind, TimelineEvent
 from flodl.errors import AgentRefused, ChannelClosed, HandshakeTimeout, ProtocolError
 from flodl.supervise.exits import RankExit
 from flodl.transports.channel import Channel
@@ -98,6 +99,20 @@ class AgentDesk:
         """Writes what goes down to every agent (its task runs beside the coordinator's)."""
         self.exits: list[RankExited] = []
         """Every exit an agent reported, in order (with its output's tail)."""
+        self._serving: dict[int, _Carried] = {}
+        """The ranks each agent carries now, by node rank."""
+
+    def on_event(self, seq: int, event: TimelineEvent) -> None:
+        """An event sink (``Coordinator.add_event_sink``): a rank the run declares dead for
+        silence is killed by its agent (paused or stuck, it would not exit on its own), which
+        then restarts it as after any failure."""
+        if event.kind is not EventKind.RANK_DEAD or event.detail.get("cause") != "silent":
+            return
+        rank = event.detail["rank"]
+        node_rank = self.table.owner(rank)
+        carried = None if node_rank is None else self._serving.get(node_rank)
+        if carried is not None:
+            carried.downlink.kill(rank)
 
     async def serve(self, node_rank: int, channel: Channel) -> None:
         """Serve node ``node_rank``'s agent until its connection ends.
@@ -121,7 +136,7 @@ class AgentDesk:
         log.info("node %d's agent joined from %s with %d ranks", node_rank, join.host, join.nproc)
         for numbered in fresh:
             self._numbered_event(numbered.node_rank).set()
-        carried = _Carried(node_rank, Downlink(channel, self.downlinks))
+        carried = self._serving[node_rank] = _Carried(node_rank, Downlink(channel, self.downlinks))
         try:
             async with trio.open_nursery() as nursery:
 
@@ -134,6 +149,7 @@ class AgentDesk:
                 await self._listen(node_rank, channel, carried)
                 nursery.cancel_scope.cancel()
         finally:
+            del self._serving[node_rank]
             self.table.leave(node_rank)
             gone = ChannelClosed(f"node {node_rank}'s agent is gone")
             for rank in carried.ranks.values():

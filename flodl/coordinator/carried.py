@@ -27,7 +27,7 @@ from flodl.errors import BrokenChannel, FrameTooLarge
 from flodl.transports.channel import Channel
 from flodl.wire.codec import EncodedMessage, encode_message
 from flodl.wire.fields import MAX_BLOB, MAX_ITEMS
-from flodl.wire.messages import Message, RankEnd, RanksDown
+from flodl.wire.messages import KillRank, Message, RankEnd, RanksDown
 
 __all__ = ["DOWNLINK_LIMIT", "FRAME_BYTES", "CarriedRank", "Downlink", "DownlinkHub"]
 
@@ -83,13 +83,15 @@ class Downlink:
     """What the coordinator sends one agent's ranks, queued and written as ``RanksDown``
     frames: by the :class:`DownlinkHub` when given one (at once, everything queued in a step),
     else, and whenever the connection cannot take the bytes at once, by its own task
-    (:meth:`run`). Either way in order: the ranks' messages first, then the ends queued."""
+    (:meth:`run`). Either way in order: the ranks' messages first, then the ends queued, then the
+    kills."""
 
     def __init__(self, channel: Channel, hub: DownlinkHub | None = None) -> None:
         self._channel = channel
         self._hub = hub
         self._queue: deque[_Queued] = deque()
         self._ended: list[int] = []
+        self._killed: list[int] = []
         self._wake = trio.Event()
         self._own_task_writes = hub is None
         """The hub leaves this downlink to :meth:`run` (no hub, or its writes must wait)."""
@@ -127,6 +129,12 @@ class Downlink:
         self._ended.append(rank)
         self._queued()
 
+    def kill(self, rank: int) -> None:
+        """Tell the agent to SIGKILL ``rank``'s process (the run declared it dead for silence),
+        after what was queued."""
+        self._killed.append(rank)
+        self._queued()
+
     def _queued(self) -> None:
         if self._own_task_writes or self._hub is None:
             self._wake.set()
@@ -138,7 +146,7 @@ class Downlink:
         everything queued after it, is left to :meth:`run`. Never waits."""
         if self._own_task_writes or self.broken is not None:
             return
-        if not self._queue and not self._ended:
+        if not self._queue and not self._ended and not self._killed:
             return
         if not self._channel.writes_now:  # an async send holds the channel: leave it queued
             written = False
@@ -161,7 +169,7 @@ class Downlink:
                 await self._wake.wait()
                 self._wake = trio.Event()
                 await self._channel.flush()  # what a write without waiting left over
-                while self._queue or self._ended:
+                while self._queue or self._ended or self._killed:
                     await self._channel.send_many(self._take())
                 self._own_task_writes = self._hub is None
         except Exception as err:  # the channel's typed errors; the ranks report it
@@ -169,8 +177,9 @@ class Downlink:
 
     def _take(self) -> list[Message]:
         """Everything queued, as frames: ``RanksDown`` within :data:`FRAME_BYTES`, then the
-        ends. A message queued for several ranks travels once, as long as no rank's order
-        changes: a rank joins an earlier entry only if it has nothing queued after it."""
+        ends, then the kills. A message queued for several ranks travels once, as long as no
+        rank's order changes: a rank joins an earlier entry only if it has nothing queued after
+        it."""
         out: list[Message] = []
         queue = self._queue
         while queue:
@@ -203,6 +212,8 @@ class Downlink:
             )
         ended, self._ended = self._ended, []
         out.extend(RankEnd(rank) for rank in ended)
+        killed, self._killed = self._killed, []
+        out.extend(KillRank(rank) for rank in killed)
         return out
 
 

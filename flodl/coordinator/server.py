@@ -455,6 +455,7 @@ async def open_coordinator(
         settle=coordinator._after_effects,
         reader_for=coordinator._shared_reader,
     )
+    coordinator.add_event_sink(coordinator.agents.on_event)
     try:
         async with trio.open_nursery() as nursery:
             coordinator._tasks = nursery

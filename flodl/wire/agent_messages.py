@@ -25,6 +25,7 @@ __all__ = [
     "AgentRefusal",
     "AgentStop",
     "AssignRanks",
+    "KillRank",
     "RankClosed",
     "RankEnd",
     "RankExited",
@@ -180,6 +181,15 @@ class RankEnd(Message):
 
 
 @attrs.frozen
+class KillRank(Message):
+    """The run declared rank ``rank`` dead for silence: the agent SIGKILLs its process (paused
+    or stuck, it would not exit on its own) and restarts it as after any failure."""
+
+    TAG: ClassVar[int] = 167
+    rank: int = u64()
+
+
+@attrs.frozen
 class AgentRefusal(Message):
     """The coordinator will not take this agent (``reason``); it closes the connection next."""
 
@@ -187,5 +197,12 @@ class AgentRefusal(Message):
     reason: str = text()
 
 
-TO_AGENT: tuple[type[Message], ...] = (AssignRanks, RunOver, AgentRefusal, RanksDown, RankEnd)
+TO_AGENT: tuple[type[Message], ...] = (
+    AssignRanks,
+    RunOver,
+    AgentRefusal,
+    RanksDown,
+    RankEnd,
+    KillRank,
+)
 """Messages the coordinator sends to a node agent."""

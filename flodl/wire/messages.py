@@ -26,6 +26,7 @@ from flodl.wire.agent_messages import AgentJoin as AgentJoin  # one catalogue: e
 from flodl.wire.agent_messages import AgentRefusal as AgentRefusal
 from flodl.wire.agent_messages import AgentStop as AgentStop
 from flodl.wire.agent_messages import AssignRanks as AssignRanks
+from flodl.wire.agent_messages import KillRank as KillRank
 from flodl.wire.agent_messages import RankClosed as RankClosed
 from flodl.wire.agent_messages import RankEnd as RankEnd
 from flodl.wire.agent_messages import RankExited as RankExited

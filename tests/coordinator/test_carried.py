@@ -27,6 +27,7 @@ from flodl.wire.messages import (
     Abort,
     CoordHeartbeat,
     Heartbeat,
+    KillRank,
     Message,
     NewGroupSession,
     RankEnd,
@@ -85,6 +86,21 @@ async def test_messages_reach_the_agent_in_order_and_an_end_after_them() -> None
     assert seen == [(str(Heartbeat.TAG), (1,)), ("Abort", (2,)), (str(CoordHeartbeat.TAG), (1,))]
     with pytest.raises(BrokenChannel):
         ranks[1].send_nowait([CoordHeartbeat()])  # closed: nothing more goes to it
+
+
+async def test_a_kill_reaches_the_agent_after_what_was_queued_before_it() -> None:
+    coordinator, agent = agent_pair()
+    downlink = Downlink(coordinator)
+    rank = CarriedRank(3, downlink)
+    rank.send_nowait([Heartbeat(3, 0)])
+    downlink.kill(3)  # the run declared rank 3 dead for silence
+    downlink.end(3)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(downlink.run)
+        down, end, kill = [await agent.receive() for _ in range(3)]
+        nursery.cancel_scope.cancel()
+    assert isinstance(down, RanksDown) and [r for _, _, r in down.deliveries()] == [(3,)]
+    assert (end, kill) == (RankEnd(3), KillRank(3))
 
 
 async def test_a_broadcast_travels_once_for_every_rank_without_reordering_any() -> None:
