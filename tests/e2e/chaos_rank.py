@@ -8,8 +8,9 @@ optimizer, but through the async worker API so it can hand the worker its own ba
 
 ==================== =========================================================================
 ``kill-compute``     SIGKILL itself while computing its (N+1)-th batch (after N batches)
-``kill-after-sync``  SIGKILL itself computing the first batch after its N-th completed average
-                     (ranks given the same N die within milliseconds of each other)
+``kill-after-sync``  SIGKILL itself computing the first batch after its N-th completed average,
+                     or starting the next round if that comes first (ranks given the same N
+                     die within milliseconds of each other)
 ``stop-compute``     SIGSTOP itself as ``kill-compute`` (alive and silent: the heartbeat path)
 ``kill-collective``  SIGKILL itself in its N-th averaging round (1-based), 0.3 s after the
                      round began there, so the peers are already blocked in the all-reduce
@@ -123,6 +124,11 @@ class Chaos:
     def due(self, kind: str, count: int) -> bool:
         return self.fault is not None and self.fault.kind == kind and self.fault.at == count
 
+    def passed(self, kind: str, count: int) -> bool:
+        """Like :meth:`due`, for a count that is checked at more than one place and may have
+        gone past N since the last check."""
+        return self.fault is not None and self.fault.kind == kind and count >= self.fault.at
+
     def fire(self, signum: signal.Signals) -> None:
         """Record the moment, then send ``signum`` to this process."""
         self.record()
@@ -199,6 +205,10 @@ class ChaosBackend:
         gamma: float = 1.0,
     ) -> AverageResult:
         chaos = self.chaos
+        # The N-th completed average may be followed by the next round before any batch: a
+        # redo whose window was trained before it, say. The fault fires there, not a round on.
+        if chaos.passed("kill-after-sync", chaos.rounds_done):
+            chaos.fire(signal.SIGKILL)
         chaos.rounds_started += 1
         if chaos.due("kill-collective", chaos.rounds_started):
             await trio.sleep(COLLECTIVE_KILL_DELAY_S)  # the peers are inside the all-reduce now
@@ -269,7 +279,7 @@ async def train(args: argparse.Namespace) -> int:
             while (item := await worker.next_batch()) is not None:
                 if chaos.due("kill-compute", chaos.batches):
                     chaos.fire(signal.SIGKILL)
-                if chaos.due("kill-after-sync", chaos.rounds_done):
+                if chaos.passed("kill-after-sync", chaos.rounds_done):
                     chaos.fire(signal.SIGKILL)
                 if chaos.due("stop-compute", chaos.batches):
                     chaos.fire(signal.SIGSTOP)
