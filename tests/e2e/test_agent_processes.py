@@ -122,59 +122,40 @@ def test_agents_started_before_the_coordinator_run_hosts_of_unequal_size(tmp_pat
     ]
 
 
-def test_a_rank_killed_on_one_host_is_restarted_by_its_agent_and_rejoins(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+def test_a_failed_rank_on_one_host_is_restarted_by_its_agent_and_rejoins(
+    tmp_path: Path, fault: signal.Signals
+) -> None:
+    # A killed rank's exit reaches the coordinator at once. A paused one never exits on its
+    # own: silent past the heartbeat timeout, it is declared dead, the coordinator tells its
+    # agent (KillRank) and the agent kills it. Either way the agent restarts it.
     job = Job(tmp_path)
+    flags = ("--heartbeat-timeout", "2") if fault is signal.SIGSTOP else ()
     try:
-        coordinator_process = job.start(coordinator(job.url, 3, tmp_path / "coordinator"))
+        coordinator_process = job.start(coordinator(job.url, 3, tmp_path / "coordinator", *flags))
         # Endless epochs: the run lasts until the rejoin was seen, however slow the machine.
         script = [str(DIGITS), "--epochs", "100000"]
         job.start([*agent(job.url, 0, 2, tmp_path / "host0"), *script])
         host1 = job.start([*agent(job.url, 1, 1, tmp_path / "host1", "--restarts", "1"), *script])
         job.read_until(host1, "rank 2: epoch 1 started")
         (victim,) = rank_pids(host1.pid)
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, fault)
         job.read_until(coordinator_process, "rank 2 rejoined")
         coordinator_process.send_signal(signal.SIGTERM)  # every rank saves and stops
         coord, _, host1_out = job.finish()
     finally:
         job.kill_all()
     assert "rank 2: SIGKILL SIGKILL" not in host1_out, host1_out + coord
-    assert re.search(r"exits: rank 2: SIGKILL 0; restarts: 1", host1_out), host1_out
-    assert coordinator_process.returncode == 0, coord
-    records = read_events(tmp_path / "coordinator" / "events.jsonl")
-    deaths = [r for r in records if r["kind"] == "RankDead" and r.get("rank") == 2]
-    assert len(deaths) == 1, deaths
-    # Each rank saved its bundle on the stop, the restarted one included.
-    for host, rank in (("host0", 0), ("host0", 1), ("host1", 2)):
-        saved = list((tmp_path / host / "checkpoints" / f"rank{rank}").glob("*.model.safetensors"))
-        assert saved, (host, rank)
-
-
-def test_a_sigstopped_rank_is_killed_by_its_agent_once_declared_dead_and_rejoins(
-    tmp_path: Path,
-) -> None:
-    # A paused process never exits on its own: the coordinator tells its agent (KillRank) as
-    # soon as the rank is declared dead for silence, and the agent kills and restarts it.
-    job = Job(tmp_path)
-    try:
-        flags = ("--heartbeat-timeout", "2")
-        coordinator_process = job.start(coordinator(job.url, 3, tmp_path / "coordinator", *flags))
-        script = [str(DIGITS), "--epochs", "100000"]
-        job.start([*agent(job.url, 0, 2, tmp_path / "host0"), *script])
-        host1 = job.start([*agent(job.url, 1, 1, tmp_path / "host1", "--restarts", "1"), *script])
-        job.read_until(host1, "rank 2: epoch 1 started")
-        (victim,) = rank_pids(host1.pid)
-        os.kill(victim, signal.SIGSTOP)
-        job.read_until(coordinator_process, "rank 2 rejoined")
-        coordinator_process.send_signal(signal.SIGTERM)  # every rank saves and stops
-        coord, _, host1_out = job.finish()
-    finally:
-        job.kill_all()
     assert re.search(r"exits: rank 2: SIGKILL 0; restarts: 1", host1_out), host1_out + coord
     assert coordinator_process.returncode == 0, coord
     records = read_events(tmp_path / "coordinator" / "events.jsonl")
     deaths = [r for r in records if r["kind"] == "RankDead" and r.get("rank") == 2]
-    assert [d["cause"] for d in deaths] == ["silent"], deaths
+    assert len(deaths) == 1, deaths
+    assert (deaths[0]["cause"] == "silent") is (fault is signal.SIGSTOP), deaths
+    # Each rank saved its bundle on the stop, the restarted one included.
+    for host, rank in (("host0", 0), ("host0", 1), ("host1", 2)):
+        saved = list((tmp_path / host / "checkpoints" / f"rank{rank}").glob("*.model.safetensors"))
+        assert saved, (host, rank)
 
 
 def test_a_killed_agent_takes_its_ranks_and_the_other_host_trains_on(tmp_path: Path) -> None:
