@@ -382,7 +382,9 @@ async def test_a_restarted_rank_takes_the_outer_state_of_the_others(tmp_path: Pa
     assert rejoined and min(rejoined) > 1
     assert_outer_state_identical(run, [0, 1, 2])
     first = run.outer_hashes(0)[min(rejoined)]
-    assert rejoined[min(rejoined)] == first and first[0] > 1  # not a fresh state
+    # Not a fresh state: one the rank started itself would be at version 0 after its first
+    # round (the round sets it), the group's is one step past the version it was given.
+    assert rejoined[min(rejoined)] == first and first[0] >= 1
 
 
 # --- SIGSTOP: alive, connected and silent ------------------------------------------------------
