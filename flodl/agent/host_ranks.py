@@ -3,9 +3,10 @@ and ``flodl run``.
 
 :class:`HostRanks` starts the host's rank processes, supervises them
 (:func:`~flodl.supervise.ranks.supervise_rank`: output relayed, each exit reported at once,
-failed ranks restarted), turns stop signals into a save of the run, and once the run is over
-lets the ranks exit and kills what is left. What it answers to is a :class:`RunLink`: the agent's
-connection to a coordinator elsewhere (:class:`~flodl.agent.link.AgentLink`), or, under
+failed ranks restarted), kills a rank the run declared dead for silence
+(:meth:`HostRanks.kill_silenced`), turns stop signals into a save of the run, and once the run
+is over lets the ranks exit and kills what is left. What it answers to is a :class:`RunLink`:
+the agent's connection to a coordinator elsewhere (:class:`~flodl.agent.link.AgentLink`), or, under
 ``flodl run``, the coordinator in the same process. So one host and many are supervised by the
 same code; only the link differs.
 """
@@ -20,7 +21,7 @@ from typing import Protocol
 import trio
 
 from flodl.coordinator.signals import Stoppable, StopSignals, watch_signals
-from flodl.core.coordinator.timeline import EventKind, TimelineEvent
+from flodl.core.coordinator.timeline import TimelineEvent
 from flodl.supervise.exits import ExitSink
 from flodl.supervise.ranks import (
     LOST_RANK_GRACE,
@@ -142,7 +143,8 @@ def silenced_ranks(kill: Callable[[int], None]) -> Callable[[int, TimelineEvent]
     killed, and so restarted, at once (:meth:`HostRanks.kill_silenced`)."""
 
     def sink(seq: int, event: TimelineEvent) -> None:
-        if event.kind is EventKind.RANK_DEAD and event.detail.get("cause") == "silent":
-            kill(event.detail["rank"])
+        rank = event.silenced_rank
+        if rank is not None:
+            kill(rank)
 
     return sink

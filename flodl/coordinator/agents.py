@@ -36,7 +36,7 @@ from flodl.coordinator.admission import Carried
 from flodl.coordinator.carried import CarriedRank, Downlink, DownlinkHub
 from flodl.coordinator.links import CONNECTION_ERRORS
 from flodl.core.coordinator.hosts import HostTable
-from flodl.core.coordinator.timeline import EventKind, TimelineEvent
+from flodl.core.coordinator.timeline import TimelineEvent
 from flodl.errors import AgentRefused, ChannelClosed, HandshakeTimeout, ProtocolError
 from flodl.supervise.exits import RankExit
 from flodl.transports.channel import Channel
@@ -106,9 +106,9 @@ class AgentDesk:
         """An event sink (``Coordinator.add_event_sink``): a rank the run declares dead for
         silence is killed by its agent (paused or stuck, it would not exit on its own), which
         then restarts it as after any failure."""
-        if event.kind is not EventKind.RANK_DEAD or event.detail.get("cause") != "silent":
+        rank = event.silenced_rank
+        if rank is None:
             return
-        rank = event.detail["rank"]
         node_rank = self.table.owner(rank)
         carried = None if node_rank is None else self._serving.get(node_rank)
         if carried is not None:

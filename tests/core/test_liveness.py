@@ -12,6 +12,7 @@ from flodl.core.coordinator.liveness import (
     RankLost,
     unrecoverable_reason,
 )
+from flodl.core.coordinator.timeline import EventKind, TimelineEvent
 from flodl.errors import ConfigError, CoordinatorError
 from flodl.wire.messages import SaveReason
 
@@ -220,3 +221,15 @@ def test_reasons_from_a_live_ledger() -> None:
         )
         is None
     )
+
+
+def test_only_a_death_for_silence_names_a_rank_for_its_supervisor_to_kill() -> None:
+    def dead(cause: LossCause) -> TimelineEvent:
+        return TimelineEvent(1.0, EventKind.RANK_DEAD, {"rank": 3, "cause": cause.value})
+
+    assert dead(LossCause.SILENT).silenced_rank == 3
+    assert [dead(c).silenced_rank for c in LossCause if c is not LossCause.SILENT] == [None] * (
+        len(LossCause) - 1
+    )
+    joined = TimelineEvent(1.0, EventKind.RANK_JOINED, {"rank": 3, "cause": "silent"})
+    assert joined.silenced_rank is None

@@ -46,6 +46,14 @@ class TimelineEvent:
     def to_json(self) -> dict[str, Any]:
         return {"time": self.time, "kind": self.kind.value, **self.detail}
 
+    @property
+    def silenced_rank(self) -> int | None:
+        """The rank this event declares dead for silence (paused or stuck: its supervisor is
+        to kill it), or None."""
+        if self.kind is EventKind.RANK_DEAD and self.detail.get("cause") == "silent":
+            return int(self.detail["rank"])
+        return None
+
 
 LASTING_KINDS = frozenset(
     {
