@@ -103,6 +103,11 @@ def test_a_sigkilled_launcher_leaves_every_rank_saved_and_the_run_resumes(tmp_pa
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["resumed_from"]
     assert summary["global_step"] > max(steps)
-    # Typically 0.96-0.98; 359 test digits, and a loaded machine drew 0.944 (339 of them).
-    assert summary["final_metrics"]["test_accuracy"] >= 0.93, summary["epochs"]
+    # It went on from the saved weights: its first epoch's loss is where the killed run had
+    # got to (0.12 - 0.21 over six tries), not a fresh start's (1.1). The final accuracy only
+    # says it trained on: on 359 test digits at Adam's lr 0.01 it spreads widely (0.93 - 0.98
+    # after three fresh epochs; 0.90 - 0.98 here), against 0.1 for an untrained model.
+    first = summary["epochs"][0]
+    assert first["epoch"] >= 2 and first["avg_loss"] < 0.5, summary["epochs"]
+    assert summary["final_metrics"]["test_accuracy"] >= 0.85, summary["epochs"]
     assert not live_in_groups([r["pid"] for r in summary["ranks"]])

@@ -174,8 +174,13 @@ def test_ctrl_c_to_the_whole_group_saves_and_resumes_with_other_ranks(tmp_path: 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["resumed_from"]
     assert summary["global_step"] > saved_step
-    # Typically 0.96-0.98; 359 test digits, and a loaded machine drew 0.944 (339 of them).
-    assert summary["final_metrics"]["test_accuracy"] >= 0.93, summary["epochs"]
+    # It went on from the saved weights: its first epoch's loss is where the stopped run had
+    # got to, not a fresh start's (1.1). The final accuracy only says it trained on: on 359
+    # test digits at Adam's lr 0.01 it spreads widely (0.90 - 0.98 for resumed runs), against
+    # 0.1 for an untrained model.
+    first = summary["epochs"][0]
+    assert first["epoch"] >= 2 and first["avg_loss"] < 0.5, summary["epochs"]
+    assert summary["final_metrics"]["test_accuracy"] >= 0.85, summary["epochs"]
     # Each log holds one run: the first run's are set aside, the resumed run's are fresh. (The
     # resumed run may start at epoch 0 again: a rank prints "epoch 2 started" as soon as it is
     # handed work of epoch 2, which the idle fill can do before epoch 0 is done.)
