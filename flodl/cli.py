@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -226,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_agent_parser(commands)
+
+    helper = commands.add_parser(
+        "warm-helper",
+        help="import torch and flodl once and fork the ranks of every later `flodl run` and "
+        "`flodl agent` of this user that names SOCKET in FLODL_WARM_HELPER, until Ctrl-C",
+    )
+    helper.add_argument("socket", metavar="SOCKET", help="the Unix socket to create")
 
     worker = commands.add_parser(
         "worker", help="run SCRIPT as one rank of a remote coordinator", allow_abbrev=False
@@ -453,6 +461,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report(args)
         if args.command == "agent":
             return run_agent_command(args)
+        if args.command == "warm-helper":
+            # The helper's own process image: a rank it forks leaves through its frames only.
+            command = [sys.executable, "-m", "flodl.supervise.zygote", "--listen", args.socket]
+            os.execv(sys.executable, command)
         return run_worker_command(args)
     except FlodlError as err:
         print(f"flodl: error: {err}", file=sys.stderr)

@@ -11,15 +11,27 @@ Python processes that import flodl, none of which would save its bytecode, so ea
 what it imports again. Before the run the process that hands the tests out compiles the
 project's sources to ``__pycache__`` (a second when none is up to date), and every pytest process
 saves the test modules it rewrites (pytest's assertion rewriting), for the next run.
+
+Each pytest process starts one shared warm-start helper (``flodl warm-helper``) and names it in
+``FLODL_WARM_HELPER``, so every ``flodl run`` and ``flodl agent`` a test starts forks its ranks
+from a helper that has imported torch once for the whole suite instead of once per run (three
+seconds of CPU each). A run whose ranks would import in another environment (one rank: no
+``OMP_NUM_THREADS=1``; another ``PYTHONPATH``) starts its own, as do the tests that use
+:func:`own_warm_helper` because they find a launcher's ranks among its descendants.
 """
 
 from __future__ import annotations
 
 import compileall
+import os
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from flodl.supervise.zygote import SHARED_VAR
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("flodl", "tests", "bench", "examples")
@@ -40,3 +52,37 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # not in a pytest-xdist worker: once per run
         for folder in SOURCES:
             compileall.compile_dir(ROOT / folder, quiet=1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_warm_helper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The suite's warm-start helper, named in ``FLODL_WARM_HELPER`` for every process the
+    tests start (and the launches they run in this process); gone after the last test."""
+    path = str(tmp_path_factory.mktemp("warm-helper") / "helper.sock")
+    # The environment a launcher gives ranks when a run has more than one and sets no
+    # thread count (flodl/host/torchrun_env.py): the helper imports torch in it.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(SHARED_VAR, None)
+    with subprocess.Popen(
+        [sys.executable, "-m", "flodl.cli", "warm-helper", path],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as helper:
+        try:
+            assert helper.stdout is not None
+            ready = helper.stdout.readline()
+            assert "ready" in ready, f"the warm-start helper did not start: {ready!r}"
+            os.environ[SHARED_VAR] = path
+            yield path
+        finally:
+            os.environ.pop(SHARED_VAR, None)
+            helper.terminate()
+
+
+@pytest.fixture
+def own_warm_helper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs started in this test start a warm-start helper of their own, whose children their
+    ranks are (for tests that find a launcher's ranks among its descendants)."""
+    monkeypatch.delenv(SHARED_VAR, raising=False)

@@ -354,6 +354,7 @@ CLI_FLAGS = {
         "--window-cap-s",
         "-h",
     ],
+    "warm-helper": ["--help", "-h"],
     "worker": [
         "--backend",
         "--coordinator",
@@ -378,6 +379,7 @@ CLI_POSITIONALS = {
     "coordinator": [],
     "report": ["run_dir"],
     "run": ["script", "script_args"],
+    "warm-helper": ["socket"],
     "worker": ["script", "script_args"],
 }
 
@@ -452,6 +454,7 @@ ENV_VARS = {
     "FLODL_SESSION_KEY",
     "FLODL_SESSION_KEY_FILE",
     "FLODL_STOP_ON_SIGNALS",
+    "FLODL_WARM_HELPER",
     "FLODL_ZYGOTE_FD",
     "GLOO_SOCKET_IFNAME",
     "GROUP_RANK",

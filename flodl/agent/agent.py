@@ -170,7 +170,7 @@ async def run_agent(config: AgentConfig, key: bytes) -> AgentResult:
 
     common = environment(assignment.first_rank, 0)  # what the warm-start helper imports in
     try:
-        async with warm_starter_if(config.warm_start, config.python, common) as helper:
+        async with warm_starter_if(config.warm_start, config.python, common, say) as helper:
             starter.warm = helper
             async with trio.open_nursery() as nursery:
                 await nursery.start(carry_ranks)

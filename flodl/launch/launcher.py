@@ -164,7 +164,9 @@ async def _launch(
         )
         observing = open_observer(coordinator, run_dir, (trio_start, clock_unix))
         # Every rank's environment but for its number: what the warm-start helper imports in.
-        warming = warm_starter_if(config.warm_start, config.python, environment(0, 0))
+        warming = warm_starter_if(
+            config.warm_start, config.python, environment(0, 0), say if config.echo else None
+        )
         async with observing as observer, warming as helper, trio.open_nursery() as nursery:
             starter.warm = helper
             view = observer.view

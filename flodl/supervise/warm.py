@@ -18,16 +18,18 @@ import array
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import trio
 
 from flodl.errors import FlodlError
-from flodl.supervise.zygote import FD_VAR, MAX_MESSAGE
+from flodl.supervise.zygote import FD_VAR, MAX_MESSAGE, SHARED_VAR, import_environment
 
 __all__ = [
     "COLD_START_HELP",
@@ -36,6 +38,7 @@ __all__ = [
     "WarmProcess",
     "WarmStartError",
     "WarmStarter",
+    "connect_shared_helper",
     "open_warm_starter",
     "warm_starter_if",
 ]
@@ -47,6 +50,9 @@ COLD_START_HELP = (
 
 HELPER_EXIT_GRACE = 5.0
 """Seconds the helper gets to exit once the launcher is done with it, before it is killed."""
+
+GREETING_TIMEOUT = 5.0
+"""Seconds a shared helper gets to answer a launcher that connects (a stopped one never does)."""
 
 
 class WarmStartError(FlodlError):
@@ -226,7 +232,72 @@ async def open_warm_starter(python: str, env: dict[str, str]) -> AsyncIterator[W
         raise
     finally:
         theirs.close()
-    starter = WarmStarter(trio.socket.from_stdlib_socket(ours), helper.pid)
+    try:
+        async with _serving(
+            WarmStarter(trio.socket.from_stdlib_socket(ours), helper.pid)
+        ) as starter:
+            yield starter
+    finally:
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(HELPER_EXIT_GRACE):
+                await helper.wait()
+            if helper.returncode is None:
+                helper.kill()
+                await helper.wait()
+
+
+async def connect_shared_helper(path: str, python: str, env: dict[str, str]) -> WarmStarter:
+    """A starter on the shared helper (``flodl warm-helper``) at the Unix socket ``path``.
+
+    WarmStartError saying why when none answers there within :data:`GREETING_TIMEOUT`, or when
+    it cannot start these ranks as they would start on their own: it runs another interpreter
+    than ``python``, or was started with other values of the variables its imports read
+    (:func:`~flodl.supervise.zygote.import_environment`) than ``env`` has."""
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        greeting = b""
+        with trio.move_on_after(GREETING_TIMEOUT):
+            try:
+                await sock.connect(path)
+                greeting = await sock.recv(MAX_MESSAGE)
+            except OSError as err:
+                raise WarmStartError(f"no warm-start helper at {path}: {err.strerror}") from None
+        if not greeting:
+            raise WarmStartError(f"the warm-start helper at {path} did not answer")
+        hello = json.loads(greeting)
+        mismatch = _mismatch(hello, python, env)
+        if mismatch:
+            raise WarmStartError(f"the warm-start helper at {path} {mismatch}")
+    except BaseException:
+        sock.close()
+        raise
+    return WarmStarter(sock, int(hello["helper"]))
+
+
+def _mismatch(hello: dict[str, Any], python: str, env: dict[str, str]) -> str | None:
+    """How the helper that greeted with ``hello`` differs from a rank started cold, or None."""
+    ranks_python = os.path.abspath(shutil.which(python) or python)
+    if hello["python"] != ranks_python:
+        return f"runs {hello['python']}, the ranks {ranks_python}"
+    helper_env: dict[str, str] = hello["env"]
+    rank_env = import_environment(env)
+    differ = sorted(
+        n for n in helper_env.keys() | rank_env.keys() if helper_env.get(n) != rank_env.get(n)
+    )
+    if differ:
+        values = "; ".join(
+            f"{n}: {helper_env.get(n, 'unset')} there, {rank_env.get(n, 'unset')} for these ranks"
+            for n in differ
+        )
+        return f"was started in another environment ({values})"
+    return None
+
+
+@asynccontextmanager
+async def _serving(starter: WarmStarter) -> AsyncIterator[WarmStarter]:
+    """Route ``starter``'s reports while the body runs; then say no more ranks, wait until the
+    helper has closed its end (exits of ranks still running count as failed once they exit),
+    and close ours."""
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(starter.read_loop)
@@ -236,21 +307,32 @@ async def open_warm_starter(python: str, env: dict[str, str]) -> AsyncIterator[W
                 starter.close()
     finally:
         starter.release()
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(HELPER_EXIT_GRACE):
-                await helper.wait()
-            if helper.returncode is None:
-                helper.kill()
-                await helper.wait()
 
 
 @asynccontextmanager
 async def warm_starter_if(
-    enabled: bool, python: str, env: dict[str, str]
+    enabled: bool,
+    python: str,
+    env: dict[str, str],
+    say: Callable[[str], object] | None = None,
 ) -> AsyncIterator[WarmStarter | None]:
-    """:func:`open_warm_starter` when ``enabled``, else None (every rank starts cold)."""
+    """None when not ``enabled`` (every rank starts cold); else the shared helper that
+    :data:`~flodl.supervise.zygote.SHARED_VAR` names, when it can start these ranks, or a
+    helper of this run's own (:func:`open_warm_starter`; ``say`` is told why the shared one
+    was not used)."""
     if not enabled:
         yield None
         return
+    shared = os.environ.get(SHARED_VAR)
+    if shared:
+        try:
+            starter = await connect_shared_helper(shared, python, env)
+        except WarmStartError as err:
+            if say is not None:
+                say(f"flodl: {err}; this run starts a helper of its own")
+        else:
+            async with _serving(starter):
+                yield starter
+            return
     async with open_warm_starter(python, env) as starter:
         yield starter

@@ -20,7 +20,8 @@ import pytest
 from flodl.observe.events import read_events
 from tests.e2e.commands import DIGITS, FLODL, free_port, rank_pids, read_until
 
-pytestmark = pytest.mark.slow
+# own_warm_helper: the tests find a launcher's or agent's ranks among its descendants.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_warm_helper")]
 
 
 def agent(url: str, node: int, nproc: int, run_dir: Path, *flags: str) -> list[str]:

@@ -19,7 +19,8 @@ import pytest
 from tests.e2e.commands import rank_pids, wait_exits
 from tests.worker.procs import DIGITS, live_in_groups
 
-pytestmark = pytest.mark.slow
+# own_warm_helper: the tests find a launcher's or agent's ranks among its descendants.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_warm_helper")]
 
 
 def _launch(run_dir: Path, nproc: int, *args: str) -> subprocess.Popen[str]:

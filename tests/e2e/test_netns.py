@@ -26,7 +26,8 @@ from flodl.observe.events import read_events
 from tests.e2e.commands import rank_pids, read_until
 from tests.worker.procs import digits_module
 
-pytestmark = pytest.mark.slow
+# own_warm_helper: the tests find a launcher's or agent's ranks among its descendants.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_warm_helper")]
 
 DIGITS = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
 NEAR, FAR = "198.51.100.1", "198.51.100.2"

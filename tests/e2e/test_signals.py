@@ -23,7 +23,8 @@ from flodl.checkpoint import load_bundle
 from tests.e2e.commands import rank_pids, wait_exits
 from tests.worker.procs import DIGITS, live_in_groups
 
-pytestmark = pytest.mark.slow
+# own_warm_helper: the tests find a launcher's or agent's ranks among its descendants.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_warm_helper")]
 
 # Rank 1 stops in the middle of a batch (its training thread asleep, its heartbeats going on),
 # so a save-and-stop waits on it until it is killed.
