@@ -15,9 +15,13 @@ saves the test modules it rewrites (pytest's assertion rewriting), for the next 
 Each pytest process starts one shared warm-start helper (``flodl warm-helper``) and names it in
 ``FLODL_WARM_HELPER``, so every ``flodl run`` and ``flodl agent`` a test starts forks its ranks
 from a helper that has imported torch once for the whole suite instead of once per run (three
-seconds of CPU each). A run whose ranks would import in another environment (one rank: no
-``OMP_NUM_THREADS=1``; another ``PYTHONPATH``) starts its own, as do the tests that use
-:func:`own_warm_helper` because they find a launcher's ranks among its descendants.
+seconds of CPU each), and so do the tests' own multi-process helpers
+(``tests/worker/procs.py``, ``tests/backends/harness.py``, the crash test's savers). For that
+the session's ``PYTHONPATH`` is the repository's root, and the helper imports with
+``OMP_NUM_THREADS=1``, as the ranks of a launcher of two ranks or more do. A run whose ranks
+would import in another environment (one rank: no ``OMP_NUM_THREADS=1``) starts its own, as do
+the tests that use :func:`own_warm_helper` because they find a launcher's ranks among its
+descendants.
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ def shared_warm_helper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     """The suite's warm-start helper, named in ``FLODL_WARM_HELPER`` for every process the
     tests start (and the launches they run in this process); gone after the last test."""
     path = str(tmp_path_factory.mktemp("warm-helper") / "helper.sock")
+    # Every process the tests start finds the repository's packages (the scripts that import
+    # tests' helpers need it), so that what they start and the helper share one PYTHONPATH.
+    pythonpath = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), pythonpath]))
     # The environment a launcher gives ranks when a run has more than one and sets no
     # thread count (flodl/host/torchrun_env.py): the helper imports torch in it.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -78,6 +86,10 @@ def shared_warm_helper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
             yield path
         finally:
             os.environ.pop(SHARED_VAR, None)
+            if pythonpath is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = pythonpath
             helper.terminate()
 
 

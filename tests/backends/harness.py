@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from flodl.supervise.warm import WarmProcess, open_warm_starter
+from flodl.supervise.warm import WarmProcess, WarmStarter, warm_starter_if
 from tests.worker.procs import kill_and_reap
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,14 +66,16 @@ async def spawn_ranks(
     backend's default).
     """
     buckets = [] if bucket_elements is None else ["--bucket-elements", str(bucket_elements)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     processes: list[WarmProcess] = []
     streams: list[trio.SocketStream] = []
     ranks: list[RankProcess] = []
     with tempfile.TemporaryDirectory(prefix="flodl-ranks-") as folder:
         control = os.path.join(folder, "control")
         listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        async with open_warm_starter(sys.executable, env) as warm, trio.open_nursery() as outputs:
+        helper = warm_starter_if(True, sys.executable, env)
+        async with helper as warm, trio.open_nursery() as outputs:
+            assert isinstance(warm, WarmStarter)
             try:
                 await listener.bind(control)
                 listener.listen(count)

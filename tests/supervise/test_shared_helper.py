@@ -22,7 +22,8 @@ from trio.testing import MockClock
 from flodl.supervise.warm import WarmProcess, WarmStarter, warm_starter_if
 from flodl.supervise.zygote import SHARED_VAR
 
-pytestmark = pytest.mark.slow
+# One worker runs the module, so that its tests share one helper.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("shared_helper")]
 
 EXITS_WITH = "import os, sys\nprint(os.getppid(), flush=True)\nsys.exit(int(sys.argv[1]))\n"
 """A rank that prints its parent's pid and exits with the code it is given."""
@@ -55,16 +56,22 @@ class Helper:
         return self.process.returncode
 
 
-@pytest.fixture
-def helper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Helper]:
-    started = Helper(tmp_path / "helper.sock")
-    monkeypatch.setenv(SHARED_VAR, str(started.path))
+@pytest.fixture(scope="module")
+def module_helper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Helper]:
+    """One helper for the tests that leave it running (its start costs seconds of CPU)."""
+    started = Helper(tmp_path_factory.mktemp("shared") / "helper.sock")
     try:
         yield started
     finally:
-        if started.process.poll() is None:
-            started.process.kill()
-            started.process.communicate()
+        started.stop()
+
+
+@pytest.fixture
+def helper(module_helper: Helper, monkeypatch: pytest.MonkeyPatch) -> Helper:
+    """The module's helper, named in ``FLODL_WARM_HELPER`` for the test."""
+    assert module_helper.process.poll() is None
+    monkeypatch.setenv(SHARED_VAR, str(module_helper.path))
+    return module_helper
 
 
 async def run_rank(starter: WarmStarter, script: Path, code: int) -> tuple[int, int, WarmProcess]:
@@ -108,8 +115,6 @@ async def test_two_launchers_fork_their_ranks_from_the_one_helper_which_outlives
     async with warm_starter_if(True, sys.executable, HELPER_ENV) as third:
         assert third is not None
         assert (await run_rank(third, script, 0))[:2] == (0, helper.process.pid)
-    assert helper.stop() == 0
-    assert not helper.path.exists()
 
 
 async def test_ranks_that_would_import_in_another_environment_get_a_helper_of_their_own(
@@ -165,7 +170,6 @@ async def test_a_helper_that_does_not_answer_is_given_up_on_at_once(
         ]
     finally:
         os.kill(helper.process.pid, signal.SIGCONT)
-    assert helper.stop() == 0
 
 
 async def test_what_is_not_a_request_closes_that_connection_and_the_helper_serves_on(
@@ -183,23 +187,24 @@ async def test_what_is_not_a_request_closes_that_connection_and_the_helper_serve
     async with warm_starter_if(True, sys.executable, HELPER_ENV) as honest:
         assert honest is not None
         assert (await run_rank(honest, script, 0))[:2] == (0, helper.process.pid)
-    assert helper.stop() == 0
 
 
-def test_a_second_helper_on_a_served_path_refuses_and_a_stale_socket_is_replaced(
-    helper: Helper,
+def test_a_second_helper_on_a_served_path_refuses_a_stale_socket_is_replaced_and_sigterm_ends_it(
+    tmp_path: Path,
 ) -> None:
-    second = Helper(helper.path)
-    assert second.process.wait() == 1
-    _, error = second.process.communicate()
-    assert f"flodl: a warm-start helper serves {helper.path} already" in error
-    assert helper.process.poll() is None
-    # A helper killed outright leaves its socket file; the next one takes the path over.
-    helper.process.kill()
-    helper.process.communicate()
-    assert helper.path.exists()
-    third = Helper(helper.path)
+    first = Helper(tmp_path / "helper.sock")
     try:
-        assert "ready" in third.ready_line
+        second = Helper(first.path)
+        assert second.process.wait() == 1
+        _, error = second.process.communicate()
+        assert f"flodl: a warm-start helper serves {first.path} already" in error
+        assert first.process.poll() is None
     finally:
-        assert third.stop() == 0
+        # A helper killed outright leaves its socket file; the next one takes the path over.
+        first.process.kill()
+        first.process.communicate()
+    assert first.path.exists()
+    third = Helper(first.path)
+    assert "ready" in third.ready_line
+    assert third.stop() == 0
+    assert not first.path.exists()  # SIGTERM: the helper removed its socket on the way out

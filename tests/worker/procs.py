@@ -14,7 +14,7 @@ from typing import BinaryIO
 
 import trio
 
-from flodl.supervise.warm import RankHandle, open_warm_starter
+from flodl.supervise.warm import RankHandle, warm_starter_if
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "examples" / "digits.py"
@@ -47,6 +47,7 @@ def rank_env(
         {
             "PYTHONPATH": str(ROOT),
             "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
             "RANK": str(rank),
             "WORLD_SIZE": str(world_size),
             "LOCAL_RANK": str(rank),
@@ -82,9 +83,10 @@ async def spawn(
     """Start one process per ``(argv, env, log)``: output to ``log``, or a pipe when None.
 
     A script (``[python, script, *args]``) is forked by a warm-start helper that has torch
-    imported (one per call, in the first script's environment); a module (``-m``) starts cold.
-    Either way each is a process of its own, with its own output. On exit every process still
-    running is killed, every process is reaped, and the helper is gone.
+    imported (the suite's, ``tests/conftest.py``, when the first script's environment is the
+    one it imported in, else one of this call's own); a module (``-m``) starts cold. Either way
+    each is a process of its own, with its own output. On exit every process still running is
+    killed, every process is reaped, and a helper of the call's own is gone.
     """
     scripts = [env for argv, env, _ in commands if not argv[1].startswith("-")]
     processes: list[RankHandle] = []
@@ -93,7 +95,7 @@ async def spawn(
         async with AsyncExitStack() as stack:
             warm = None
             if scripts:
-                helper = open_warm_starter(sys.executable, scripts[0])
+                helper = warm_starter_if(True, sys.executable, scripts[0])
                 warm = await stack.enter_async_context(helper)
             relays = await stack.enter_async_context(trio.open_nursery())
             try:
