@@ -10,6 +10,11 @@ fork each rank, which begins with all of that imported. The rank it gives is a
 
 A helper that cannot start (an interpreter without flodl) or is gone makes
 :meth:`WarmStarter.start` raise :class:`WarmStartError`; the caller then starts the rank cold.
+
+One helper can also serve many launchers (``flodl warm-helper SOCKET``, named in
+``FLODL_WARM_HELPER``): :func:`warm_starter_if` then connects to it
+(:func:`connect_shared_helper`) instead of starting one, when it would start the ranks as
+they would start on their own.
 """
 
 from __future__ import annotations
@@ -264,7 +269,9 @@ async def connect_shared_helper(path: str, python: str, env: dict[str, str]) -> 
                 raise WarmStartError(f"no warm-start helper at {path}: {err.strerror}") from None
         if not greeting:
             raise WarmStartError(f"the warm-start helper at {path} did not answer")
-        hello = json.loads(greeting)
+        hello = _greeting(greeting)
+        if hello is None:
+            raise WarmStartError(f"what answers at {path} is no warm-start helper")
         mismatch = _mismatch(hello, python, env)
         if mismatch:
             raise WarmStartError(f"the warm-start helper at {path} {mismatch}")
@@ -272,6 +279,20 @@ async def connect_shared_helper(path: str, python: str, env: dict[str, str]) -> 
         sock.close()
         raise
     return WarmStarter(sock, int(hello["helper"]))
+
+
+def _greeting(data: bytes) -> dict[str, Any] | None:
+    """A helper's greeting (its pid, interpreter and import environment), or None for what is
+    not one."""
+    try:
+        hello = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(hello, dict) or not isinstance(hello.get("helper"), int):
+        return None
+    if not isinstance(hello.get("python"), str) or not isinstance(hello.get("env"), dict):
+        return None
+    return hello
 
 
 def _mismatch(hello: dict[str, Any], python: str, env: dict[str, str]) -> str | None:

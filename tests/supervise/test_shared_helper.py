@@ -154,6 +154,33 @@ async def test_no_helper_at_the_named_path_means_a_helper_of_the_runs_own(
     ]
 
 
+async def test_something_else_at_the_path_is_no_helper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "other.sock"
+    said: list[str] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as other:
+        other.bind(str(path))
+        other.listen(1)
+        monkeypatch.setenv(SHARED_VAR, str(path))
+
+        async def greet_wrongly() -> None:
+            await trio.lowlevel.wait_readable(other)
+            connection, _ = other.accept()
+            with connection:
+                connection.send(b'{"hello": "world"}')
+                await trio.lowlevel.wait_readable(connection)  # until the launcher hangs up
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(greet_wrongly)
+            async with warm_starter_if(True, sys.executable, HELPER_ENV, said.append) as own:
+                assert own is not None
+    assert said == [
+        f"flodl: what answers at {path} is no warm-start helper; "
+        "this run starts a helper of its own"
+    ]
+
+
 async def test_a_helper_that_does_not_answer_is_given_up_on_at_once(
     helper: Helper, autojump_clock: MockClock
 ) -> None:
