@@ -83,6 +83,16 @@ async def run_rank(starter: WarmStarter, script: Path, code: int) -> tuple[int, 
     return await rank.wait(), parent, rank
 
 
+async def own_helper_instead() -> tuple[int, str]:
+    """Open a warm starter for ranks of ``HELPER_ENV`` that starts a helper of its own: that
+    helper's pid, and the one line the launcher said of the shared one."""
+    said: list[str] = []
+    async with warm_starter_if(True, sys.executable, HELPER_ENV, said.append) as own:
+        assert own is not None
+        (line,) = said
+        return own.helper_pid, line
+
+
 async def test_two_launchers_fork_their_ranks_from_the_one_helper_which_outlives_them(
     helper: Helper, tmp_path: Path
 ) -> None:
@@ -145,20 +155,17 @@ async def test_no_helper_at_the_named_path_means_a_helper_of_the_runs_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(SHARED_VAR, str(tmp_path / "nobody.sock"))
-    said: list[str] = []
-    async with warm_starter_if(True, sys.executable, HELPER_ENV, said.append) as own:
-        assert own is not None
-    assert said == [
+    _, said = await own_helper_instead()
+    assert said == (
         f"flodl: no warm-start helper at {tmp_path / 'nobody.sock'}: No such file or directory; "
         "this run starts a helper of its own"
-    ]
+    )
 
 
 async def test_something_else_at_the_path_is_no_helper(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "other.sock"
-    said: list[str] = []
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as other:
         other.bind(str(path))
         other.listen(1)
@@ -173,12 +180,11 @@ async def test_something_else_at_the_path_is_no_helper(
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(greet_wrongly)
-            async with warm_starter_if(True, sys.executable, HELPER_ENV, said.append) as own:
-                assert own is not None
-    assert said == [
+            _, said = await own_helper_instead()
+    assert said == (
         f"flodl: what answers at {path} is no warm-start helper; "
         "this run starts a helper of its own"
-    ]
+    )
 
 
 async def test_a_helper_that_does_not_answer_is_given_up_on_at_once(
@@ -188,13 +194,12 @@ async def test_a_helper_that_does_not_answer_is_given_up_on_at_once(
     # greeting comes: the launcher waits GREETING_TIMEOUT of trio's clock, then starts its own.
     os.kill(helper.process.pid, signal.SIGSTOP)
     try:
-        said: list[str] = []
-        async with warm_starter_if(True, sys.executable, HELPER_ENV, said.append) as own:
-            assert own is not None and own.helper_pid != helper.process.pid
-        assert said == [
+        own, said = await own_helper_instead()
+        assert own != helper.process.pid
+        assert said == (
             f"flodl: the warm-start helper at {helper.path} did not answer; "
             "this run starts a helper of its own"
-        ]
+        )
     finally:
         os.kill(helper.process.pid, signal.SIGCONT)
 
