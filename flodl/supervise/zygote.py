@@ -293,11 +293,12 @@ def listen(path: str) -> dict[str, Any] | None:
         "python": sys.executable,
         "env": started_with,
     }
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    print(f"flodl: warm-start helper ready; for runs to use it: export {SHARED_VAR}={path}")
-    sys.stdout.flush()
     try:
+        # Within the try: a stop that comes as soon as "ready" is read removes the socket too.
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+        print(f"flodl: warm-start helper ready; for runs to use it: export {SHARED_VAR}={path}")
+        sys.stdout.flush()
         return serve(listener=listener, greeting=json.dumps(greeting).encode())
     except SystemExit:
         with contextlib.suppress(FileNotFoundError):
