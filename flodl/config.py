@@ -24,7 +24,6 @@ from flodl.averaging.dtypes import AVERAGE_DTYPE_NAMES
 from flodl.averaging.outer import OuterKind, OuterSettings, check_outer
 from flodl.core.cadence.guards import GuardKind
 from flodl.core.common.policy import Policy
-from flodl.core.coordinator.cycle import default_reduce_stall_ceiling
 from flodl.core.coordinator.liveness import MaxFailure
 from flodl.core.coordinator.settings import (
     CadenceSettings,
@@ -32,6 +31,7 @@ from flodl.core.coordinator.settings import (
     MachineSettings,
     Timeouts,
 )
+from flodl.core.coordinator.stall import default_reduce_stall_ceiling
 from flodl.errors import ConfigError, FlodlError
 from flodl.host.environment import session_key_from_env
 from flodl.transports.url import parse_url

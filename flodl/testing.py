@@ -53,9 +53,11 @@ from flodl.transports.greeting import connect_rank
 from flodl.wire.messages import (
     CoordHeartbeat,
     IntentKind,
+    JoinResult,
     Message,
     Metrics,
     NewGroupReady,
+    NewGroupSession,
     RequestNewGroup,
     Shutdown,
     ShutdownWithSave,
@@ -86,6 +88,9 @@ class RankScript:
     """Stop sending anything (heartbeats included) but keep the connection open."""
     hang_collectives: bool = False
     """Enter collectives but never finish them (a hung peer that stays alive)."""
+    join_ms: float = 0.0
+    """Each group generation takes this long to join (a slow rendezvous or NCCL init); a
+    round of that generation waits for the join."""
     heartbeat_interval: float = 1.0
     rejoin_after: float | None = None
     """After a scripted crash, reconnect as the same rank after this many seconds (a restart)."""
@@ -186,8 +191,11 @@ class ScriptedRank:
         """Fresh process state: no work, no group, step count 0."""
         self.machine = RankMachine(self.rank, self.world_size, Policy.CADENCE)
         self._group: SimulatedGroup | None = None
+        self._joining = -1
+        """The newest generation announced to this rank (its join may still be under way)."""
         self._silent = False
         self._abandon: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
         self.cancel_scope = trio.CancelScope()
 
@@ -216,6 +224,7 @@ class ScriptedRank:
                 channel = await connect_rank(stream, key, self.rank, self.world_size)
                 await self._perform(channel, self.machine.announce(job))
                 async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
                     nursery.start_soon(self._heartbeat, channel)
                     nursery.start_soon(self._receive, channel, nursery.cancel_scope)
                     await self._train(channel)
@@ -256,8 +265,18 @@ class ScriptedRank:
             elif isinstance(effect, PrepareGroup):
                 await self._prepare_group(channel, effect.request)
             elif isinstance(effect, JoinGroup):
-                session = effect.session
-                self._group = self._groups.get(session.generation, session.new_world_size)
+                self._joining = effect.session.generation
+                if self.script.join_ms > 0 and self._nursery is not None:
+                    self._nursery.start_soon(self._join, channel, effect.session)
+                else:
+                    await self._join(channel, effect.session)
+
+    async def _join(self, channel: Channel, session: NewGroupSession) -> None:
+        await trio.sleep(self.script.join_ms / 1000.0)
+        if session.generation == self._joining:  # not superseded meanwhile
+            self._group = self._groups.get(session.generation, session.new_world_size)
+            await self._send(channel, JoinResult(self.rank, session.generation, joined=True))
+            self._notify()
 
     async def _prepare_group(self, channel: Channel, request: RequestNewGroup) -> None:
         if self.script.die_on_group_request:
@@ -355,6 +374,10 @@ class ScriptedRank:
             self.silence()
 
     async def _average(self, sync: SyncNow) -> list[RankEffect]:
+        while self._joining == sync.generation and (
+            self._group is None or self._group.generation != sync.generation
+        ):
+            await self._wake.wait()  # its join is under way
         group = self._group
         if group is None or group.generation != sync.generation:
             return self.machine.average_finished(sync, None, 0.0)

@@ -92,6 +92,7 @@ RANK_SCRIPT_DOCUMENTED_FIELDS = [
     "hang_collectives",
     "heartbeat_interval",
     "ignore_group_requests",
+    "join_ms",
     "ms_per_batch",
     "silent_after_batches",
     "skip_completion_frames",
@@ -710,6 +711,7 @@ TO_COORDINATOR_TAGS = {
     "Note": 73,
     "Ready": 74,
     "Batches": 75,
+    "JoinResult": 76,
 }
 
 SAVE_REASONS = {

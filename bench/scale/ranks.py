@@ -39,7 +39,7 @@ from flodl.transports import connect
 from flodl.transports.channel import Channel
 from flodl.transports.greeting import connect_rank
 from flodl.transports.memory_reader import MemoryReader
-from flodl.wire.messages import Message, NewGroupReady
+from flodl.wire.messages import JoinResult, Message, NewGroupReady
 
 from .record import Recorder
 
@@ -249,6 +249,7 @@ class RankLoop:
                 out.append(NewGroupReady(rank=self.rank, generation=generation, info=b"sim"))
             elif isinstance(effect, JoinGroup):
                 self.group_rank = effect.session.new_rank
+                out.append(JoinResult(self.rank, effect.session.generation, joined=True))
         return woken
 
     def _boundary(self, now: float, out: list[Message]) -> None:

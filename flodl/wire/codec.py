@@ -41,7 +41,7 @@ from flodl.errors import (
 from flodl.wire.messages import Message, from_payload, to_payload
 
 FRAME_MAGIC = 0xF10D5F01
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 DEFAULT_MAX_PAYLOAD = 16 * 1024 * 1024
 MAX_CBOR_DEPTH = 8
 """Messages nest at most two levels (a map holding a map); 8 leaves room and stops bombs."""

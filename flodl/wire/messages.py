@@ -36,6 +36,7 @@ from flodl.wire.agent_messages import RanksUp as RanksUp
 from flodl.wire.agent_messages import RunOver as RunOver
 from flodl.wire.fields import (
     blob,
+    boolean,
     duration_list,
     duration_ms,
     f64,
@@ -417,6 +418,17 @@ class Batches(Message):
         return [self.report(index) for index in range(len(self.batch_ms))]
 
 
+@attrs.frozen
+class JoinResult(Message):
+    """``rank``'s join of group ``generation`` ended: it joined, or (``joined`` False) it
+    could not. A round's reduce-stall clock starts once every member's join ended."""
+
+    TAG: ClassVar[int] = 76
+    rank: int = u64()
+    generation: int = u64()
+    joined: bool = boolean()
+
+
 TO_RANK: tuple[type[Message], ...] = (
     SyncNow,
     SetGlobalStep,
@@ -450,6 +462,7 @@ TO_COORDINATOR: tuple[type[Message], ...] = (
     Note,
     Ready,
     Batches,
+    JoinResult,
 )
 """Messages ranks send to the coordinator."""
 

@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING
 import trio
 
 from flodl.errors import BackendError
-from flodl.wire.messages import Message, NewGroupReady, NewGroupSession, Note, RequestNewGroup
+from flodl.wire.messages import (
+    JoinResult,
+    Message,
+    NewGroupReady,
+    NewGroupSession,
+    Note,
+    RequestNewGroup,
+)
 
 if TYPE_CHECKING:
     from flodl.backends import Backend
@@ -38,11 +45,19 @@ class Standing(enum.Enum):
 class GroupMembership:
     """The generations this rank joined, was announced and saw doomed (-1: none yet)."""
 
-    def __init__(self, backend: Backend, rank: int, on_change: Callable[[], None]) -> None:
-        """``on_change`` runs after every join attempt (joined, failed or superseded)."""
+    def __init__(
+        self,
+        backend: Backend,
+        rank: int,
+        on_change: Callable[[], None],
+        report: Callable[[Message], None],
+    ) -> None:
+        """``on_change`` runs after every join attempt (joined, failed or superseded);
+        ``report`` sends the coordinator each join's end (``JoinResult``; none when superseded)."""
         self._backend = backend
         self._rank = rank
         self._on_change = on_change
+        self._report = report
         self.joined = -1
         self.group_rank = -1
         """This rank's rank inside the joined generation."""
@@ -105,10 +120,12 @@ class GroupMembership:
                     )
                     self.joined = session.generation
                     self.group_rank = session.new_rank
+                    self._report(JoinResult(self._rank, session.generation, joined=True))
                 except BackendError as err:
                     log.warning(
                         "rank %d: could not join group %d: %s", self._rank, session.generation, err
                     )
+                    self._report(JoinResult(self._rank, session.generation, joined=False))
                 finally:
                     self._join_scope = None
             if scope.cancelled_caught:

@@ -123,7 +123,9 @@ class Worker:
         """The batch after the current one, takeable by a training thread (see staging.py)."""
         self._wakeup = Wakeup(self._staged.invalidate)
         self._boundary_scope: trio.CancelScope | None = None
-        self._membership = GroupMembership(backend, config.rank, self._wakeup.notify)
+        self._membership = GroupMembership(
+            backend, config.rank, self._wakeup.notify, lambda message: self._post([Send(message)])
+        )
         self._rounds = RoundRunner(
             self.machine,
             backend,
@@ -186,9 +188,7 @@ class Worker:
 
     async def announce(self, dataset_size: int, batch_size: int, epochs: int) -> None:
         """Describe the job to the coordinator (``Ready``); call once, before ``next_batch``.
-
-        Raises ConfigError for an empty job or a second, different description.
-        """
+        Raises ConfigError for an empty job or a second, different description."""
         first = self.machine.job is None
         effects = self.machine.announce(Job(dataset_size, batch_size, epochs))
         if first:

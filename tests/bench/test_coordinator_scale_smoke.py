@@ -22,6 +22,7 @@ from flodl.wire.messages import (
     Batch,
     Batches,
     Heartbeat,
+    JoinResult,
     Message,
     Metrics,
     NewGroupReady,
@@ -113,10 +114,8 @@ async def test_a_simulated_rank_is_its_machine_on_the_grid() -> None:
     assert ready == Ready(rank=0, dataset_size=10**9, batch_size=1, epochs=1)
     (group,) = loop.receive(RequestNewGroup(generation=1, world_size=1), now)
     assert group == NewGroupReady(rank=0, generation=1, info=b"sim")
-    assert (
-        loop.receive(NewGroupSession(generation=1, new_rank=0, new_world_size=1, info=b""), now)
-        == []
-    )
+    session = NewGroupSession(generation=1, new_rank=0, new_world_size=1, info=b"")
+    assert loop.receive(session, now) == [JoinResult(rank=0, generation=1, joined=True)]
     # Waiting at the barrier: SyncNow is acked on receipt.
     assert kinds(loop.receive(SyncNow(round=1, generation=1), now)) == ["SyncAck"]
     # Work: the batch handed out finishes at the rank's next grid tick. Its reports are held

@@ -227,6 +227,35 @@ async def test_stall_ceiling_fires_once_with_reduce_stall(
         assert rank.record.ended_by == ShutdownWithSave(reason=SaveReason.REDUCE_STALL)
 
 
+async def test_forming_a_slow_group_is_no_reduce_stall(autojump_clock: MockClock) -> None:
+    # Joining takes each rank 4 s (a slow rendezvous or NCCL init), past the 3 s ceiling: the
+    # first round waits for it, and the ceiling counts from the last join.
+    config = CoordinatorConfig(reduce_stall_ceiling=3.0)
+    scripts = fast(3, join_ms=4000.0)
+    async with open_cluster(scripts, dataset_size=600, batch_size=10, config=config) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.status is Status.COMPLETED, outcome
+    first_start, first_end = (
+        events(cluster, EventKind.SYNC_START)[0],
+        events(cluster, EventKind.SYNC_END)[0],
+    )
+    assert float(first_end["time"]) - float(first_start["time"]) >= 4.0  # type: ignore[arg-type]
+
+
+async def test_the_stall_ceiling_counts_from_the_last_join(autojump_clock: MockClock) -> None:
+    config = CoordinatorConfig(reduce_stall_ceiling=3.0)
+    scripts = [*fast(2, join_ms=2000.0), RankScript(join_ms=2000.0, hang_collectives=True)]
+    async with open_cluster(scripts, dataset_size=3000, batch_size=10, config=config) as cluster:
+        outcome = await cluster.coordinator.wait_finished()
+        await cluster.wait_ranks_done()
+    assert outcome.status is Status.SAVED and outcome.save_reason is SaveReason.REDUCE_STALL
+    (save,) = events(cluster, EventKind.SAVE_REQUESTED)
+    (start,) = events(cluster, EventKind.SYNC_START)
+    waited = float(save["time"]) - float(start["time"])  # type: ignore[arg-type]
+    assert waited == pytest.approx(2.0 + 3.0, abs=0.01)
+
+
 async def test_no_shutdown_while_a_round_is_unsettled(
     autojump_clock: MockClock,
 ) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from flodl.core.common.policy import Policy
-from flodl.core.coordinator.cycle import Cycle, RoundState, default_reduce_stall_ceiling
+from flodl.core.coordinator.cycle import Cycle, RoundState
 from flodl.core.coordinator.effects import Broadcast, Send
+from flodl.core.coordinator.stall import default_reduce_stall_ceiling
 from flodl.errors import ConfigError, CoordinatorError
 from flodl.wire.messages import (
     Batch,
@@ -292,8 +293,15 @@ def test_dropping_the_last_unacked_rank_settles_the_round() -> None:
 # --- reduce-stall ceiling -----------------------------------------------------------------
 
 
+def join_all(cycle: Cycle, generation: int, now: float = 0.0) -> None:
+    """Every member reports its join of ``generation`` ended."""
+    for rank in sorted(cycle.members):
+        cycle.on_join_result(now, rank, generation)
+
+
 def test_stall_fires_once_at_the_ceiling_not_before() -> None:
     cycle = Cycle(2, Policy.SYNC, heartbeat_timeout=10.0)  # ceiling 300 s
+    join_all(cycle, 0)
     run_batches(cycle, 0, 1)
     cycle.start_round(100.0, generation=0)
     cycle.on_sync_ack(101.0, ack(0, 1))
@@ -311,6 +319,7 @@ def test_stall_fires_once_at_the_ceiling_not_before() -> None:
 
 def test_stall_never_fires_when_everyone_acked() -> None:
     cycle = Cycle(2, Policy.SYNC, reduce_stall_ceiling=5.0)
+    join_all(cycle, 0)
     run_batches(cycle, 0, 1)
     cycle.start_round(0.0, generation=0)
     settle_all(cycle, 4.0)
@@ -322,6 +331,7 @@ def test_stall_never_fires_when_everyone_acked() -> None:
 
 def test_stall_clock_restarts_with_each_round() -> None:
     cycle = Cycle(1, Policy.SYNC, reduce_stall_ceiling=5.0)
+    join_all(cycle, 0)
     run_batches(cycle, 0, 1)
     cycle.start_round(0.0, generation=0)
     settle_all(cycle, 1.0)
@@ -329,6 +339,52 @@ def test_stall_clock_restarts_with_each_round() -> None:
     cycle.start_round(20.0, generation=0)
     assert cycle.check_stall(24.0) == []
     assert len(cycle.check_stall(25.0)) == 1
+
+
+def test_stall_clock_starts_once_every_member_joined_the_rounds_generation() -> None:
+    # Forming a group (gloo's rendezvous, NCCL's init) is no stalled collective: the first
+    # round goes out at once, but its ceiling counts from the last member's join.
+    cycle = Cycle(2, Policy.SYNC, reduce_stall_ceiling=5.0)
+    run_batches(cycle, 0, 1)
+    cycle.start_round(0.0, generation=0)
+    assert cycle.next_deadline() is None
+    assert cycle.check_stall(1e3) == []
+    cycle.on_join_result(1e3, 0, 0)
+    assert cycle.next_deadline() is None  # rank 1 is still joining
+    cycle.on_join_result(2e3, 1, 0)  # joined, or failed to: its join holds nothing back now
+    assert cycle.next_deadline() == 2005.0
+    assert cycle.check_stall(2004.999) == []
+    assert len(cycle.check_stall(2005.0)) == 1
+    cycle.on_join_result(3e3, 1, 1)  # a later join does not re-arm a fired ceiling
+    assert cycle.next_deadline() is None
+
+
+def test_a_redone_round_waits_for_the_joins_of_its_new_generation() -> None:
+    cycle = Cycle(3, Policy.SYNC, reduce_stall_ceiling=5.0)
+    join_all(cycle, 0)
+    run_batches(cycle, 0, 1)
+    cycle.start_round(0.0, generation=0)
+    assert cycle.next_deadline() == 5.0
+    cycle.drop_rank(1.0, 2)
+    assert cycle.abandon_round()
+    cycle.redo_round(2.0, generation=1)
+    assert cycle.next_deadline() is None  # generation 0's joins do not count for 1
+    cycle.on_join_result(3.0, 0, 1)
+    cycle.on_join_result(4.0, 1, 0)  # a late result of an older generation changes nothing
+    assert cycle.next_deadline() is None
+    cycle.on_join_result(6.0, 1, 1)
+    assert cycle.next_deadline() == 11.0
+
+
+def test_a_member_dropped_while_joining_no_longer_holds_the_stall_clock() -> None:
+    cycle = Cycle(3, Policy.SYNC, reduce_stall_ceiling=5.0)
+    run_batches(cycle, 0, 1)
+    cycle.on_join_result(0.0, 0, 0)
+    cycle.on_join_result(0.0, 1, 0)
+    cycle.start_round(1.0, generation=0)
+    assert cycle.next_deadline() is None
+    cycle.drop_rank(7.0, 2)  # died before it joined: the survivors' round may stall now
+    assert cycle.next_deadline() == 12.0
 
 
 # --- throttle -------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ does not decide cadence (ElChe's batch counts come in as an argument); it execut
   member acked, the round is *settled*.
 * While a round is unsettled the run must not be shut down gracefully
   (:meth:`Cycle.may_shutdown`), and past the reduce-stall ceiling the cycle asks once for
-  ``ShutdownWithSave(REDUCE_STALL)``.
+  ``ShutdownWithSave(REDUCE_STALL)`` (:mod:`~flodl.core.coordinator.stall` keeps that clock).
 * A dead member is removed with :meth:`Cycle.drop_rank` (the round may then settle on the
   survivors' acks); if the collective itself was lost, :meth:`Cycle.abandon_round` marks the
   round to be redone and :meth:`Cycle.redo_round` reissues it on the re-formed group.
@@ -35,6 +35,7 @@ import attrs
 
 from flodl.core.common.policy import Policy
 from flodl.core.coordinator.effects import Broadcast, Effect, Send
+from flodl.core.coordinator.stall import StallWatch, default_reduce_stall_ceiling
 from flodl.errors import ConfigError, CoordinatorError
 from flodl.wire.messages import (
     Batch,
@@ -45,14 +46,6 @@ from flodl.wire.messages import (
     SyncNow,
     Throttle,
 )
-
-REDUCE_STALL_FLOOR_S = 300.0
-"""The reduce-stall ceiling is never shorter than this (seconds)."""
-
-
-def default_reduce_stall_ceiling(heartbeat_timeout: float) -> float:
-    """Seconds a round may stay unacknowledged: ``max(10 * heartbeat_timeout, 300)``."""
-    return max(10.0 * heartbeat_timeout, REDUCE_STALL_FLOOR_S)
 
 
 class RoundState(enum.Enum):
@@ -106,17 +99,13 @@ class Cycle:
             raise ConfigError(f"cycle: heartbeat_timeout must be > 0, got {heartbeat_timeout}")
         if reduce_stall_ceiling is None:
             reduce_stall_ceiling = default_reduce_stall_ceiling(heartbeat_timeout)
-        if reduce_stall_ceiling <= 0:
-            raise ConfigError(
-                f"cycle: reduce_stall_ceiling must be > 0, got {reduce_stall_ceiling}"
-            )
         if max_batch_diff is not None and max_batch_diff < 0:
             raise ConfigError(f"cycle: max_batch_diff must be >= 0, got {max_batch_diff}")
         if global_step < 0 or round < 0:
             raise ConfigError("cycle: global_step and round must be >= 0")
         self._world_size = world_size
         self._policy = policy
-        self._ceiling = float(reduce_stall_ceiling)
+        self._stall = StallWatch(world_size, reduce_stall_ceiling)
         self._max_batch_diff = max_batch_diff
         self._members: set[int] = set(range(world_size) if members is None else members)
         for rank in self._members:
@@ -135,8 +124,6 @@ class Cycle:
         self._generation = 0
         self._global_step = global_step
         self._started_at: float | None = None
-        self._stall_clock: float | None = None
-        self._stalled = False
         self._last_sync_duration: float | None = None
 
     # --- read-only state ------------------------------------------------------------------
@@ -199,11 +186,11 @@ class Cycle:
     @property
     def stalled(self) -> bool:
         """True once the reduce-stall ceiling fired (it fires at most once)."""
-        return self._stalled
+        return self._stall.fired
 
     @property
     def reduce_stall_ceiling(self) -> float:
-        return self._ceiling
+        return self._stall.ceiling
 
     @property
     def last_sync_duration(self) -> float | None:
@@ -246,6 +233,13 @@ class Cycle:
         """Ranks too far ahead are throttled (``max_batch_diff`` is set)."""
         return self._max_batch_diff is not None
 
+    def on_join_result(self, now: float, rank: int, generation: int) -> None:
+        """``rank`` finished joining group ``generation``, or failed to: either way its join
+        no longer holds the round back, and the round's stall clock starts once every member's
+        has ended. A result for an older generation than the rank's last changes nothing."""
+        self._check_rank(rank)
+        self._stall.on_join_result(now, rank, generation, self._members)
+
     def on_sync_ack(self, now: float, ack: SyncAck) -> bool:
         """Take ``ack`` into account; True when it settled the round.
 
@@ -271,7 +265,7 @@ class Cycle:
         self._last_sync_duration = now - self._started_at
         self._state = RoundState.SETTLED
         self._started_at = None
-        self._stall_clock = None
+        self._stall.stop()
         return True
 
     # --- the trigger ----------------------------------------------------------------------
@@ -354,7 +348,7 @@ class Cycle:
         self._acked = set()
         self._state = RoundState.IN_FLIGHT
         self._started_at = now
-        self._stall_clock = now
+        self._stall.watch(now, generation, self._members)
         sync = SyncNow(round=self._round, generation=generation)
         return [Broadcast(sync, self._sorted_members())]
 
@@ -364,24 +358,16 @@ class Cycle:
     # --- backstops ------------------------------------------------------------------------
 
     def check_stall(self, now: float) -> list[Effect]:
-        """ShutdownWithSave(REDUCE_STALL) once the in-flight round is unacked past the ceiling.
-
-        Fires when ``now - started >= ceiling`` with some member not acked, then disarms, so
-        it is returned at most once per cycle. Never fires on a settled round.
-        """
-        if self._state is not RoundState.IN_FLIGHT or self._stall_clock is None:
+        """ShutdownWithSave(REDUCE_STALL) once the in-flight round is unacked past the ceiling
+        (:mod:`~flodl.core.coordinator.stall`: counted from when every member had joined the
+        round's generation); at most once per cycle, never on a settled round."""
+        if not self._stall.check(now):
             return []
-        if now < self._stall_clock + self._ceiling:  # same sum as next_deadline(): no float gap
-            return []
-        self._stall_clock = None
-        self._stalled = True
         return [Broadcast(ShutdownWithSave(reason=SaveReason.REDUCE_STALL))]
 
     def next_deadline(self) -> float | None:
         """When :meth:`check_stall` would fire if nothing changes (None when it cannot)."""
-        if self._state is not RoundState.IN_FLIGHT or self._stall_clock is None:
-            return None
-        return self._stall_clock + self._ceiling
+        return self._stall.deadline()
 
     def throttle(self) -> list[Effect]:
         """One Throttle to each member more than ``max_batch_diff`` steps ahead of the slowest.
@@ -413,6 +399,7 @@ class Cycle:
         self._acked.discard(rank)
         self._throttled.discard(rank)
         self._steps[rank] = 0
+        self._stall.on_member_gone(now, self._members)
         return self._settle_if_complete(now)
 
     def add_rank(self, rank: int) -> None:
@@ -440,7 +427,7 @@ class Cycle:
         self._state = RoundState.REDO_PENDING
         self._acked = set()
         self._started_at = None
-        self._stall_clock = None
+        self._stall.stop()
         return True
 
     def redo_round(self, now: float, generation: int) -> RoundStarted:

@@ -62,6 +62,7 @@ from flodl.wire.messages import (
     Exiting,
     Heartbeat,
     Intent,
+    JoinResult,
     LrUpdate,
     Message,
     Metrics,
@@ -303,7 +304,10 @@ class CoordinatorMachine:
             return self._on_ack(rank, message, now)
         if isinstance(message, Metrics):
             return self._on_metrics(rank, message, now)
-        if isinstance(message, Heartbeat):
+        if isinstance(message, Heartbeat | Note):
+            return []
+        if isinstance(message, JoinResult):
+            self.cycle.on_join_result(now, rank, message.generation)
             return []
         if isinstance(message, Ready):
             return self._on_ready(rank, message, now)
@@ -320,8 +324,6 @@ class CoordinatorMachine:
         if isinstance(message, CheckpointResult):
             record_save(self.timeline, now, rank, message)
             return self._maybe_trigger(now) if self.rounds.on_checkpoint_result(message) else []
-        if isinstance(message, Note):
-            return []
         return [Disconnect(rank, f"unexpected {type(message).__name__} from a rank")]
 
     def on_tick(self, now: float) -> list[Effect]:
