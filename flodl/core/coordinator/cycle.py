@@ -238,7 +238,7 @@ class Cycle:
         no longer holds the round back, and the round's stall clock starts once every member's
         has ended. A result for an older generation than the rank's last changes nothing."""
         self._check_rank(rank)
-        self._stall.on_join_result(now, rank, generation, self._members)
+        self._stall.on_join_result(now, rank, generation)
 
     def on_sync_ack(self, now: float, ack: SyncAck) -> bool:
         """Take ``ack`` into account; True when it settled the round.
@@ -399,7 +399,7 @@ class Cycle:
         self._acked.discard(rank)
         self._throttled.discard(rank)
         self._steps[rank] = 0
-        self._stall.on_member_gone(now, self._members)
+        self._stall.on_member_gone(now, rank)
         return self._settle_if_complete(now)
 
     def add_rank(self, rank: int) -> None:

@@ -26,7 +26,11 @@ def default_reduce_stall_ceiling(heartbeat_timeout: float) -> float:
 
 
 class StallWatch:
-    """The stall clock of the round in flight, for ranks ``0..world_size-1``."""
+    """The stall clock of the round in flight, for ranks ``0..world_size-1``.
+
+    Each report costs O(1): the members still joining the watched round's generation are kept
+    as a set, so forming a group of N ranks costs O(N), not O(N^2).
+    """
 
     def __init__(self, world_size: int, ceiling: float) -> None:
         if ceiling <= 0:
@@ -36,39 +40,43 @@ class StallWatch:
         """The newest generation each rank finished joining, or failed to (-1: none)."""
         self._generation: int | None = None
         """The generation of the round being watched (None: no round is)."""
+        self._joining: set[int] = set()
+        """Members whose join of the watched generation has not ended yet."""
         self._started: float | None = None
-        """When its clock started (None: a member is still joining, or nothing is watched)."""
+        """When the clock started (None: a member is still joining, or nothing is watched)."""
         self.fired = False
         """The ceiling fired once (for the cycle's ``stalled``)."""
 
     def watch(self, now: float, generation: int, members: Set[int]) -> None:
         """Watch a round of ``generation`` sent at ``now``; its clock starts now if every
         member already joined that generation, else once the last one has."""
+        joined = self._joined
         self._generation = generation
+        self._joining = {rank for rank in members if joined[rank] < generation}
         self._started = None
-        self._start_once_joined(now, members)
+        self._start_if_joined(now)
 
     def stop(self) -> None:
         """The round settled or was abandoned: nothing is watched."""
         self._generation = self._started = None
+        self._joining = set()
 
-    def on_join_result(self, now: float, rank: int, generation: int, members: Set[int]) -> None:
+    def on_join_result(self, now: float, rank: int, generation: int) -> None:
         """``rank``'s join of ``generation`` ended; an older generation than its last changes
         nothing."""
         if generation > self._joined[rank]:
             self._joined[rank] = generation
-            self._start_once_joined(now, members)
+            if self._generation is not None and generation >= self._generation:
+                self.on_member_gone(now, rank)
 
-    def on_member_gone(self, now: float, members: Set[int]) -> None:
-        """A member left the group (``members`` is what remains): it no longer holds the
-        clock back."""
-        self._start_once_joined(now, members)
+    def on_member_gone(self, now: float, rank: int) -> None:
+        """``rank`` no longer holds the clock back (it joined, or left the group)."""
+        if rank in self._joining:
+            self._joining.discard(rank)
+            self._start_if_joined(now)
 
-    def _start_once_joined(self, now: float, members: Set[int]) -> None:
-        generation = self._generation
-        if generation is None or self._started is not None:
-            return
-        if all(self._joined[rank] >= generation for rank in members):
+    def _start_if_joined(self, now: float) -> None:
+        if self._generation is not None and self._started is None and not self._joining:
             self._started = now
 
     def check(self, now: float) -> bool:
