@@ -220,10 +220,12 @@ class CoordinatorConfig:
         flag=Flag(
             "--stall-ceiling",
             metavar="S",
-            help="reduce-stall ceiling (default: max(10 x heartbeat timeout, 300 s))",
+            help="save the run when an averaging round is unacknowledged this long after "
+            "every member joined its group (default: max(10 x heartbeat timeout, 300 s))",
         ),
     )
-    """None means ``max(10 x heartbeat_timeout, 300 s)``."""
+    """None means ``max(10 x heartbeat_timeout, 300 s)``; counted from when every member joined
+    the round's group generation."""
     rendezvous_retry: float = setting(5.0, check_seconds)
     backend: str | None = setting(None)
     """The ranks' backend (``auto``, ``gloo``, ``nccl``) sent to each worker; None: each rank's
