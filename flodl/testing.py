@@ -91,6 +91,8 @@ class RankScript:
     join_ms: float = 0.0
     """Each group generation takes this long to join (a slow rendezvous or NCCL init); a
     round of that generation waits for the join."""
+    fail_joins: bool = False
+    """Every join fails (reported as such): the rank's rounds on that generation never run."""
     heartbeat_interval: float = 1.0
     rejoin_after: float | None = None
     """After a scripted crash, reconnect as the same rank after this many seconds (a restart)."""
@@ -274,8 +276,10 @@ class ScriptedRank:
     async def _join(self, channel: Channel, session: NewGroupSession) -> None:
         await trio.sleep(self.script.join_ms / 1000.0)
         if session.generation == self._joining:  # not superseded meanwhile
-            self._group = self._groups.get(session.generation, session.new_world_size)
-            await self._send(channel, JoinResult(self.rank, session.generation, joined=True))
+            joined = not self.script.fail_joins
+            if joined:
+                self._group = self._groups.get(session.generation, session.new_world_size)
+            await self._send(channel, JoinResult(self.rank, session.generation, joined=joined))
             self._notify()
 
     async def _prepare_group(self, channel: Channel, request: RequestNewGroup) -> None:
@@ -374,16 +378,17 @@ class ScriptedRank:
             self.silence()
 
     async def _average(self, sync: SyncNow) -> list[RankEffect]:
-        while self._joining == sync.generation and (
-            self._group is None or self._group.generation != sync.generation
-        ):
-            await self._wake.wait()  # its join is under way
-        group = self._group
-        if group is None or group.generation != sync.generation:
-            return self.machine.average_finished(sync, None, 0.0)
         started = trio.current_time()
         with trio.CancelScope() as scope:
-            self._abandon = scope
+            self._abandon = scope  # also ends a wait for a join that never comes
+            while self._joining == sync.generation and (
+                self._group is None or self._group.generation != sync.generation
+            ):
+                await self._wake.wait()  # its join is under way
+            group = self._group
+            if group is None or group.generation != sync.generation:
+                self._abandon = None
+                return self.machine.average_finished(sync, None, 0.0)
             if self.script.hang_collectives:
                 await trio.sleep_forever()
             if self.script.die_in_round == sync.round:

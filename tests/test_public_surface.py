@@ -89,6 +89,7 @@ RANK_SCRIPT_DOCUMENTED_FIELDS = [
     "data_ms",
     "die_after_batches",
     "die_on_group_request",
+    "fail_joins",
     "hang_collectives",
     "heartbeat_interval",
     "ignore_group_requests",

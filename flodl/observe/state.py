@@ -23,6 +23,7 @@ NOTABLE = frozenset(
         "RankDead",
         "GroupReformed",
         "GoingOnWithout",
+        "JoinFailed",
         "SaveRequested",
         "CheckpointSaved",
         "Shutdown",
@@ -71,6 +72,8 @@ def describe(record: Mapping[str, Any]) -> str:
             f"{at} group re-formed{took_text}: generation {record.get('generation')}, "
             f"ranks {record.get('members')}"
         )
+    if kind == "JoinFailed":
+        return f"{at} rank {record.get('rank')} could not join group {record.get('generation')}"
     if kind == "GoingOnWithout":
         return f"{at} {record.get('why')}; going on with ranks {record.get('ranks')}"
     if kind == "SaveRequested":

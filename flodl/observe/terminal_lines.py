@@ -27,6 +27,7 @@ _KINDS = frozenset(
         "RankDead",
         "GroupReformed",
         "GoingOnWithout",
+        "JoinFailed",
         "SaveRequested",
         "StopRequested",
         "CheckpointSaved",

@@ -257,6 +257,18 @@ async def test_the_stall_ceiling_counts_from_the_last_join(autojump_clock: MockC
     assert waited == pytest.approx(2.0 + 3.0, abs=0.01)
 
 
+async def test_a_failed_join_is_recorded_and_its_round_stalls_from_it(
+    autojump_clock: MockClock,
+) -> None:
+    # Rank 2's join fails after 2 s: the round it cannot take part in stalls one ceiling later.
+    config = CoordinatorConfig(reduce_stall_ceiling=3.0)
+    scripts = [*fast(2), RankScript(join_ms=2000.0, fail_joins=True)]
+    cluster, waited = await saved_on_reduce_stall(scripts, config)
+    assert waited == pytest.approx(2.0 + 3.0, abs=0.01)
+    (failed,) = events(cluster, EventKind.JOIN_FAILED)
+    assert (failed["rank"], failed["generation"]) == (2, 0)
+
+
 async def test_no_shutdown_while_a_round_is_unsettled(
     autojump_clock: MockClock,
 ) -> None:

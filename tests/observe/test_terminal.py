@@ -206,6 +206,8 @@ def test_which_events_get_a_line() -> None:
     assert EventLines().take(dead, now=0.0) == [
         "flodl: 9.8s rank 2 dead: process exited with code -9"
     ]
+    failed = {"kind": "JoinFailed", "t": 65.24, "rank": 2, "generation": 1}
+    assert EventLines().take(failed, now=0.0) == ["flodl: 65.2s rank 2 could not join group 1"]
 
 
 def test_wants_live() -> None:

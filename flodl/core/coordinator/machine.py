@@ -307,7 +307,7 @@ class CoordinatorMachine:
         if isinstance(message, Heartbeat | Note):
             return []
         if isinstance(message, JoinResult):
-            self.cycle.on_join_result(now, rank, message.generation)
+            self.rounds.on_join_result(now, message)
             return []
         if isinstance(message, Ready):
             return self._on_ready(rank, message, now)

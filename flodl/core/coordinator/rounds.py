@@ -35,7 +35,7 @@ from flodl.core.coordinator.round_log import RoundLog
 from flodl.core.coordinator.saves import SaveSchedule
 from flodl.core.coordinator.settings import MachineSettings
 from flodl.core.coordinator.timeline import EventKind, Timeline
-from flodl.wire.messages import Batch, Batches, CheckpointResult, Metrics, SyncAck
+from flodl.wire.messages import Batch, Batches, CheckpointResult, JoinResult, Metrics, SyncAck
 
 __all__ = ["BatchSeen", "Due", "ResumeState", "Rounds"]
 
@@ -265,6 +265,15 @@ class Rounds:
         if self.wait_until is not None:
             return []
         return self.dispatch.fill(rank, now, steps_of=self.cycle.steps_of, working=self.working)
+
+    def on_join_result(self, now: float, result: JoinResult) -> None:
+        """A rank's join of a generation ended (the stall clock may start); a failed one is
+        recorded (``JoinFailed``)."""
+        self.cycle.on_join_result(now, result.rank, result.generation)
+        if not result.joined:
+            self._timeline.add(
+                now, EventKind.JOIN_FAILED, rank=result.rank, generation=result.generation
+            )
 
     def on_completion(self, rank: int, metrics: Metrics, now: float) -> bool:
         """A member's completion frame; True when a waiting round now waits for no one."""

@@ -30,6 +30,8 @@ class EventKind(enum.Enum):
     SHUTDOWN = "Shutdown"
     GOING_ON_WITHOUT = "GoingOnWithout"
     """A rank died before the world joined: the run starts with the ranks that remain."""
+    JOIN_FAILED = "JoinFailed"
+    """A rank could not join a group generation (its rounds on that generation cannot run)."""
     STOP_REQUESTED = "StopRequested"
     """The training stops early (a rank's ``stop``, the time budget): nothing more is handed
     out, and the run ends after a last round."""
@@ -61,6 +63,7 @@ LASTING_KINDS = frozenset(
         EventKind.RANK_JOINED,
         EventKind.RANK_DEAD,
         EventKind.GROUP_REFORMED,
+        EventKind.JOIN_FAILED,
         EventKind.SAVE_REQUESTED,
         EventKind.SHUTDOWN,
         EventKind.GOING_ON_WITHOUT,
