@@ -97,7 +97,10 @@ def flat(tensors: Sequence[torch.Tensor]) -> bytes:
 
 
 def unflat(data: bytes, into: Sequence[torch.Tensor]) -> None:
-    values = torch.frombuffer(bytearray(data), dtype=torch.float32)
+    copy_flat(torch.frombuffer(bytearray(data), dtype=torch.float32), into)
+
+
+def copy_flat(values: torch.Tensor, into: Sequence[torch.Tensor]) -> None:
     offset = 0
     with torch.no_grad():
         for tensor in into:
@@ -159,7 +162,7 @@ def balanced_peer(factor: float, grads_in: Connection, grads_out: Connection) ->
         other = grads_in.recv_bytes()
         if other == STOP:
             return
-        combine(parameters, fast=other, slow=None, slow_batch=task.batch_size)
+        mix_gradients(parameters, other, task.batch_size, 32)
         task.optimizer.step()
 
 
@@ -167,17 +170,17 @@ def gradients(parameters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in parameters if p.grad is not None]
 
 
-def combine(
-    parameters: Sequence[torch.Tensor], fast: bytes | None, slow: bytes | None, slow_batch: int
+def mix_gradients(
+    parameters: Sequence[torch.Tensor], other: bytes, own_weight: float, other_weight: float
 ) -> None:
-    """Set the gradients to the sample-weighted mean of the fast and slow ones (the side not
-    given is the process's own), the same arithmetic in both processes."""
+    """Set the gradients to the weighted mean of their own and ``other`` (flat float32). Two
+    processes that mix each other's with swapped weights get equal results: a weighted sum of
+    two terms is the same whichever comes first."""
     grads = gradients(parameters)
-    own = flat(grads)
-    fast_grad = torch.frombuffer(bytearray(fast or own), dtype=torch.float32)
-    slow_grad = torch.frombuffer(bytearray(slow or own), dtype=torch.float32)
-    mean = (32 * fast_grad + slow_batch * slow_grad) / (32 + slow_batch)
-    unflat(bytes(mean.numpy().tobytes()), grads)
+    own = torch.cat([grad.reshape(-1) for grad in grads])
+    theirs = torch.frombuffer(bytearray(other), dtype=torch.float32)
+    mean = (own_weight * own + other_weight * theirs) / (own_weight + other_weight)
+    copy_flat(mean, grads)
 
 
 def run(variant: str, budget: float, factor: float) -> dict[str, Any]:
@@ -211,16 +214,12 @@ def run(variant: str, budget: float, factor: float) -> dict[str, Any]:
         task.loss(next(source)).backward()  # type: ignore[no-untyped-call]
         if variant == "balanced":
             outgoing.put(flat(gradients(parameters)))
-            combine(parameters, fast=None, slow=to_here.recv_bytes(), slow_batch=slow_batch)
+            mix_gradients(parameters, to_here.recv_bytes(), 32, slow_batch)
             used += 1
         elif weight is not None:
             arrived = incoming.take(wait=False)
             if arrived is not None:
-                grads = gradients(parameters)
-                own = torch.frombuffer(bytearray(flat(grads)), dtype=torch.float32)
-                slow_grad = torch.frombuffer(bytearray(arrived), dtype=torch.float32)
-                mean = (own + weight * slow_grad) / (1 + weight)
-                unflat(bytes(mean.numpy().tobytes()), grads)
+                mix_gradients(parameters, arrived, 1.0, weight)
                 used += 1
                 outgoing.put(flat(parameters))
         task.optimizer.step()
