@@ -17,7 +17,8 @@ Each pytest process starts one shared warm-start helper (``flodl warm-helper``) 
 from a helper that has imported torch once for the whole suite instead of once per run (three
 seconds of CPU each), and so do the tests' own multi-process helpers
 (``tests/worker/procs.py``, ``tests/backends/harness.py``, the crash test's savers). For that
-the session's ``PYTHONPATH`` is the repository's root, and the helper imports with
+the session's ``PYTHONPATH`` is the repository's root, ``TORCHINDUCTOR_CACHE_DIR`` is set from
+the start (torch would set it part-way through the session), and the helper imports with
 ``OMP_NUM_THREADS=1``, as the ranks of a launcher of two ranks or more do. A run whose ranks
 would import in another environment (one rank: no ``OMP_NUM_THREADS=1``) starts its own, as do
 the tests that use :func:`own_warm_helper` because they find a launcher's ranks among its
@@ -39,6 +40,7 @@ from flodl.supervise.zygote import SHARED_VAR
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("flodl", "tests", "bench", "examples")
+INDUCTOR_CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def _start_order(item: pytest.Item) -> int:
@@ -63,10 +65,21 @@ def shared_warm_helper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     """The suite's warm-start helper, named in ``FLODL_WARM_HELPER`` for every process the
     tests start (and the launches they run in this process); gone after the last test."""
     path = str(tmp_path_factory.mktemp("warm-helper") / "helper.sock")
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", INDUCTOR_CACHE_VAR)}
     # Every process the tests start finds the repository's packages (the scripts that import
     # tests' helpers need it), so that what they start and the helper share one PYTHONPATH.
-    pythonpath = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), pythonpath]))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved["PYTHONPATH"]]))
+    # torch writes its default inductor cache folder into os.environ the first time a test in
+    # this process builds an optimizer (torch._dynamo reads it as it is imported). Every run a
+    # test started after that would pass on a variable the helper was not started with, and so
+    # start a helper of its own, importing torch again (3 - 4 s of CPU per run). Set before the
+    # helper starts, the variable is the same for both, and torch leaves it as it is.
+    inductor_cache = saved[INDUCTOR_CACHE_VAR]
+    os.environ[INDUCTOR_CACHE_VAR] = (
+        os.path.abspath(inductor_cache)
+        if inductor_cache
+        else str(tmp_path_factory.mktemp("torchinductor"))
+    )
     # The environment a launcher gives ranks when a run has more than one and sets no
     # thread count (flodl/host/torchrun_env.py): the helper imports torch in it.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -86,10 +99,11 @@ def shared_warm_helper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
             yield path
         finally:
             os.environ.pop(SHARED_VAR, None)
-            if pythonpath is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = pythonpath
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             helper.terminate()
 
 

@@ -1,0 +1,27 @@
+"""The suite's own shared warm-start helper (``tests/conftest.py``) serves the runs the tests
+start, also after a test in this process used torch in a way that writes to ``os.environ``."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from flodl.supervise.warm import warm_starter_if
+
+
+async def test_runs_started_after_torch_wrote_its_cache_folder_still_use_the_suites_helper() -> (
+    None
+):
+    import torch
+
+    # Building an optimizer imports torch._dynamo, which writes torch's inductor cache folder
+    # into os.environ: a variable the ranks' imports read, so a helper started without it
+    # cannot serve them.
+    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    said: list[str] = []
+    # What a launcher of two ranks asks for (tests/conftest.py starts the helper so).
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    async with warm_starter_if(True, sys.executable, env, said.append) as starter:
+        assert starter is not None
+    assert said == []  # else: "...; this run starts a helper of its own"
