@@ -17,8 +17,9 @@ Each pytest process starts one shared warm-start helper (``flodl warm-helper``) 
 from a helper that has imported torch once for the whole suite instead of once per run (three
 seconds of CPU each), and so do the tests' own multi-process helpers
 (``tests/worker/procs.py``, ``tests/backends/harness.py``, the crash test's savers). For that
-the session's ``PYTHONPATH`` is the repository's root, ``TORCHINDUCTOR_CACHE_DIR`` is set from
-the start (torch would set it part-way through the session), and the helper imports with
+the session's ``PYTHONPATH`` is the repository's root, the variables that torch and
+scikit-learn write into ``os.environ`` part-way through a session are set from its start (and
+the ranks' import environment is put back after each test), and the helper imports with
 ``OMP_NUM_THREADS=1``, as the ranks of a launcher of two ranks or more do. A run whose ranks
 would import in another environment (one rank: no ``OMP_NUM_THREADS=1``) starts its own, as do
 the tests that use :func:`own_warm_helper` because they find a launcher's ranks among its
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl.supervise.zygote import SHARED_VAR
+from flodl.supervise.zygote import SHARED_VAR, import_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("flodl", "tests", "bench", "examples")
@@ -65,21 +66,18 @@ def shared_warm_helper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     """The suite's warm-start helper, named in ``FLODL_WARM_HELPER`` for every process the
     tests start (and the launches they run in this process); gone after the last test."""
     path = str(tmp_path_factory.mktemp("warm-helper") / "helper.sock")
-    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", INDUCTOR_CACHE_VAR)}
-    # Every process the tests start finds the repository's packages (the scripts that import
-    # tests' helpers need it), so that what they start and the helper share one PYTHONPATH.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), saved["PYTHONPATH"]]))
-    # torch writes its default inductor cache folder into os.environ the first time a test in
-    # this process builds an optimizer (torch._dynamo reads it as it is imported). Every run a
-    # test started after that would pass on a variable the helper was not started with, and so
-    # start a helper of its own, importing torch again (3 - 4 s of CPU per run). Set before the
-    # helper starts, the variable is the same for both, and torch leaves it as it is.
-    inductor_cache = saved[INDUCTOR_CACHE_VAR]
-    os.environ[INDUCTOR_CACHE_VAR] = (
-        os.path.abspath(inductor_cache)
-        if inductor_cache
-        else str(tmp_path_factory.mktemp("torchinductor"))
-    )
+    pinned = {
+        # Every process the tests start finds the repository's packages (the scripts that
+        # import tests' helpers need it), so what they start and the helper share one path.
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **_LIBRARY_WRITTEN,
+        # torch keeps the folder it finds set (made absolute), else sets its default.
+        INDUCTOR_CACHE_VAR: os.path.abspath(
+            os.environ.get(INDUCTOR_CACHE_VAR) or tmp_path_factory.mktemp("torchinductor")
+        ),
+    }
+    saved = {name: os.environ.get(name) for name in pinned}
+    os.environ.update(pinned)
     # The environment a launcher gives ranks when a run has more than one and sets no
     # thread count (flodl/host/torchrun_env.py): the helper imports torch in it.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -99,12 +97,40 @@ def shared_warm_helper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
             yield path
         finally:
             os.environ.pop(SHARED_VAR, None)
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+            _restore(saved)
             helper.terminate()
+
+
+@pytest.fixture(autouse=True)
+def kept_import_environment(shared_warm_helper: str) -> Iterator[None]:
+    """After each test, the variables ranks' imports read are as the suite's helper was started
+    with: a library a test imported may have written one (as those in :data:`_LIBRARY_WRITTEN`
+    do, and others may), and every later run would then start a helper of its own."""
+    kept = import_environment(os.environ)
+    yield
+    now = import_environment(os.environ)
+    _restore({name: kept.get(name) for name in now.keys() | kept.keys()})
+
+
+_LIBRARY_WRITTEN = {
+    # scikit-learn's import sets these where unset (for the OpenMP runtimes it may load).
+    "KMP_DUPLICATE_LIB_OK": "True",
+    "KMP_INIT_AT_FORK": "FALSE",
+}
+"""What libraries the tests import write into ``os.environ``, among the variables ranks'
+imports read, set from the start: else the first test in a pytest process to import one
+would leave every later run unable to use the suite's helper (each run then imports torch
+again in a helper of its own, 3 - 4 s of CPU). torch's inductor cache folder (which torch
+writes when a test first builds an optimizer) is pinned beside them."""
+
+
+def _restore(values: dict[str, str | None]) -> None:
+    """Set each variable of ``values`` to its value, or unset it where that is None."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture

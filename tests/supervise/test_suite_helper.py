@@ -1,5 +1,5 @@
 """The suite's own shared warm-start helper (``tests/conftest.py``) serves the runs the tests
-start, also after a test in this process used torch in a way that writes to ``os.environ``."""
+start, also after a test in this process used a library that writes to ``os.environ``."""
 
 from __future__ import annotations
 
@@ -12,13 +12,15 @@ from flodl.supervise.warm import warm_starter_if
 async def test_runs_started_after_torch_wrote_its_cache_folder_still_use_the_suites_helper() -> (
     None
 ):
-    import torch
+    import sklearn  # noqa: F401  (its first import sets two KMP_ variables where unset)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    # Building an optimizer imports torch._dynamo, which writes torch's inductor cache folder
-    # into os.environ: a variable the ranks' imports read, so a helper started without it
-    # cannot serve them.
-    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    before = dict(os.environ)
+    # What building the first optimizer in a process does (torch._dynamo's import calls it):
+    # torch writes its inductor cache folder into os.environ, a variable the ranks' imports
+    # read, so a helper started without it could not serve them.
+    cache_dir()
+    assert dict(os.environ) == before
     said: list[str] = []
     # What a launcher of two ranks asks for (tests/conftest.py starts the helper so).
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
