@@ -70,7 +70,7 @@ def shared_warm_helper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
         # Every process the tests start finds the repository's packages (the scripts that
         # import tests' helpers need it), so what they start and the helper share one path.
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        **_LIBRARY_WRITTEN,
+        **{name: os.environ.get(name, value) for name, value in _LIBRARY_WRITTEN.items()},
         # torch keeps the folder it finds set (made absolute), else sets its default.
         INDUCTOR_CACHE_VAR: os.path.abspath(
             os.environ.get(INDUCTOR_CACHE_VAR) or tmp_path_factory.mktemp("torchinductor")
@@ -113,7 +113,8 @@ def kept_import_environment(shared_warm_helper: str) -> Iterator[None]:
 
 
 _LIBRARY_WRITTEN = {
-    # scikit-learn's import sets these where unset (for the OpenMP runtimes it may load).
+    # scikit-learn's import sets these where unset (for the OpenMP runtimes it may load), so
+    # they are set only where unset here too.
     "KMP_DUPLICATE_LIB_OK": "True",
     "KMP_INIT_AT_FORK": "FALSE",
 }
