@@ -75,6 +75,25 @@ async def test_a_forked_rank_has_its_own_argv_env_folder_session_and_exit_code(
     assert not pid_alive(helper) and not any(pid_alive(rank.pid) for rank in ranks)
 
 
+async def test_a_forked_rank_never_walks_what_the_helper_imported(tmp_path: Path) -> None:
+    """The helper's objects are in the collector's permanent generation: the rank's
+    collections (and its exit's) never touch, and so never copy, those shared pages."""
+    script = write(
+        tmp_path,
+        "collector.py",
+        "import gc, torch\n"
+        "gc.collect()\n"
+        "walked = any(o is torch.nn.Module for o in gc.get_objects())\n"
+        "print(gc.get_freeze_count(), walked)\n",
+    )
+    async with open_warm_starter(sys.executable, dict(os.environ)) as warm:
+        rank = await start(warm, script)
+        frozen, walked = (await output_of(rank)).split()
+        assert await rank.wait() == 0
+    assert int(frozen) > 100_000  # torch's classes, functions and module dictionaries
+    assert walked == "False"
+
+
 async def test_a_script_that_raises_exits_1_with_only_its_own_frames(tmp_path: Path) -> None:
     script = write(tmp_path, "fails.py", "def go():\n    raise ValueError('boom')\n\ngo()\n")
     async with open_warm_starter(sys.executable, dict(os.environ)) as warm:
