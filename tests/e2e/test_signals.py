@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from flodl.checkpoint import load_bundle
+from flodl.host.environment import OP_TIMEOUT
 from tests.e2e.commands import rank_pids, wait_exits
 from tests.worker.procs import DIGITS, live_in_groups
 
@@ -57,7 +58,15 @@ class Launcher:
     """``flodl run`` in a session of its own, so the test can signal its whole process group
     as a terminal would without signalling pytest. Killed (group and all) after ``limit`` s."""
 
-    def __init__(self, run_dir: Path, nproc: int, script: Path, *args: str, limit: float = 120):
+    def __init__(
+        self,
+        run_dir: Path,
+        nproc: int,
+        script: Path,
+        *args: str,
+        limit: float = 120,
+        env: dict[str, str] | None = None,
+    ):
         argv = [sys.executable, "-m", "flodl.cli", "run", "--nproc", str(nproc)]
         argv += ["--run-dir", str(run_dir), str(script), *args]
         if "--resume" in args:
@@ -69,6 +78,7 @@ class Launcher:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            env=env,
         )
         self.lines: list[str] = []
         self._watchdog = threading.Timer(limit, self._kill)
@@ -234,8 +244,11 @@ def test_a_second_ctrl_c_kills_and_the_summary_says_what_was_not_saved(tmp_path:
 
 def test_ranks_do_not_outlive_a_sigkilled_launcher(tmp_path: Path) -> None:
     """Out of the launcher's process group, a rank still ends when its launcher dies: it sees
-    the coordinator's connection close and gives up."""
-    launcher = Launcher(tmp_path / "run", 2, DIGITS, "--epochs", "50")
+    the coordinator's connection close and gives up. A rank killed out of a round waits at its
+    backend's close for the round's abandoned collective, up to the op timeout plus 5 s: 10 s
+    here, so that the wait below is bounded by the heartbeat timeout, not by that."""
+    env = {**os.environ, OP_TIMEOUT: "10"}
+    launcher = Launcher(tmp_path / "run", 2, DIGITS, "--epochs", "50", env=env)
     launcher.read_until("epoch 1 started")
     ranks = launcher.children()
     assert len(ranks) == 2
