@@ -83,7 +83,6 @@ def preload() -> None:
             importlib.import_module(name)
         except Exception:
             pass
-    gc.collect()  # the imports' garbage, freed before the rest is frozen at the first fork
 
 
 def serve(
@@ -138,7 +137,10 @@ def serve(
                 # What the helper holds goes to the collector's permanent generation, which no
                 # collection walks: the child's collections and its exit then leave those
                 # shared pages unwritten, where walking them copied some hundreds of MB per
-                # rank (about a CPU-second at each rank's exit on a 2-core machine).
+                # rank (about a CPU-second at each rank's exit on a 2-core machine). Garbage is
+                # collected first (only what is new since the last fork is walked), or a
+                # shared helper serving for days would keep every cycle it made.
+                gc.collect()
                 gc.freeze()
                 pid = os.fork()
                 if pid == 0:
