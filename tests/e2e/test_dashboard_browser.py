@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,16 +91,22 @@ def flodl_run(run_dir: Path) -> Iterator[tuple[subprocess.Popen[str], str, list[
         process.stdout.close()
 
 
-def wait_for(what: str, probe: Callable[[], T | None], limit: float) -> T:
-    """``probe()`` once it is not None, asked every 0.2 s for at most ``limit`` seconds."""
-    deadline = time.monotonic() + limit
-    while True:
+def wait_for(driver: Any, what: str, probe: Callable[[], T | None], limit: float) -> T:
+    """``probe()`` once it is not None, within ``limit`` seconds: a page's content changes
+    without telling WebDriver, so Selenium's own wait asks again every 0.2 s."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    def present(_driver: Any) -> tuple[T] | None:
         value = probe()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {limit} s")
-        time.sleep(0.2)
+        return None if value is None else (value,)  # a tuple: a falsy value counts too
+
+    try:
+        found = WebDriverWait(driver, limit, poll_frequency=0.2).until(present)
+    except TimeoutException:
+        raise AssertionError(f"{what}: not within {limit} s") from None
+    assert found is not None  # until returns only what the condition returned when true
+    return found[0]
 
 
 def browser() -> Any:
@@ -138,7 +143,7 @@ def test_the_page_shows_every_rank_and_rounds_going_up(tmp_path: Path) -> None:
                 ranks = [row.get_attribute("data-rank") or "" for row in rows]
                 return ranks if len(ranks) == 3 else None
 
-            first = wait_for("a round on the page", round_shown, 90)
+            first = wait_for(driver, "a round on the page", round_shown, 90)
             assert rank_rows() == ["0", "1", "2"]
             states = [
                 cell.text
@@ -146,6 +151,7 @@ def test_the_page_shows_every_rank_and_rounds_going_up(tmp_path: Path) -> None:
             ]
             assert states == ["training"] * 3
             later = wait_for(
+                driver,
                 "the round going up",
                 lambda: r if (r := round_shown()) is not None and r >= first + 6 else None,
                 60,
