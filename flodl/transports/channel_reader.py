@@ -12,9 +12,10 @@ channels it serves (:meth:`ChannelReader.serves`); :func:`flodl.transports.reade
 picks the kind for a channel.
 
 A pass reads at most :data:`PASS_CHANNELS` channels, at most :data:`READ_BYTES` from each,
-and no further channel once it has handed over :data:`PASS_MESSAGES` messages; then it lets
-the other tasks run. Channels left over are read first in the next pass, so a flooding peer
-can neither starve the others nor stall the event loop. The figures are in
+and no further channel once it has handed over :data:`PASS_MESSAGES` messages (a frame that
+carries others, a node agent's, counts as those it carries); then it lets the other tasks run.
+Channels left over are read first in the next pass, so a flooding peer can neither starve the
+others nor stall the event loop. The figures are in
 ``docs/benchmarks.md`` ("Coordinator scale").
 """
 
@@ -194,13 +195,16 @@ class ChannelReader:
             self.close()
 
     def _read(self, entry: _Entry) -> int:
-        """Read ``entry``'s stream once and hand over what it held; the messages handed."""
+        """Read ``entry``'s stream once and hand over what it held; the messages handed (those
+        a frame carries counted, :attr:`Message.carried`)."""
         channel = entry.channel
         handed = 0
         try:
             batch = channel.receive_batch_nowait(READ_BYTES)
             while batch:
-                handed += len(batch)
+                # A node agent's frame counts as the ranks' messages in it: they are what the
+                # handler works through before the other tasks (the timers) run again.
+                handed += sum(message.carried for message in batch)
                 entry.on_messages(batch, trio.current_time())
                 if not channel.holds_result or self._entries.get(entry.key) is not entry:
                     break

@@ -93,6 +93,11 @@ class RanksUp(Message):
     def __attrs_post_init__(self) -> None:
         _equal_lengths(("tags", self.tags), ("payloads", self.payloads))
 
+    @property
+    def carried(self) -> int:
+        """The ranks' messages in this frame."""
+        return len(self.tags)
+
 
 @attrs.frozen
 class RankClosed(Message):

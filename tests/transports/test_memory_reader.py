@@ -29,8 +29,8 @@ from flodl.transports.channel import Channel
 from flodl.transports.channel_reader import PASS_MESSAGES, READ_BYTES
 from flodl.transports.memory_reader import MemoryReader
 from flodl.transports.memory_stream import FaultPlan, Link, MemoryStream, memory_stream_pair
-from flodl.wire.codec import FrameEncoder
-from flodl.wire.messages import TO_COORDINATOR_TAGS, Heartbeat, Message
+from flodl.wire.codec import FrameEncoder, encode_message
+from flodl.wire.messages import FROM_AGENT_TAGS, TO_COORDINATOR_TAGS, Heartbeat, Message, RanksUp
 
 from .reader_log import ReaderLog
 
@@ -59,9 +59,9 @@ class Far:
         assert self.stream.send_nowait(data) == len(data)
 
 
-def far_end(link: Link | None = None) -> Far:
+def far_end(link: Link | None = None, tags: frozenset[int] = TO_COORDINATOR_TAGS) -> Far:
     far, near = memory_stream_pair(link)
-    channel = Channel(near, send_key=b"x" * 32, receive_key=UP, receive_tags=TO_COORDINATOR_TAGS)
+    channel = Channel(near, send_key=b"x" * 32, receive_key=UP, receive_tags=tags)
     return Far(far, channel)
 
 
@@ -306,6 +306,26 @@ async def test_flooding_channels_cannot_starve_a_quiet_one_and_passes_are_capped
         per_pass[done] = per_pass.get(done, 0) + size
     assert max(per_pass.values()) <= PASS_MESSAGES + per_read
     assert len(per_pass) >= 4 * 1000 // (PASS_MESSAGES + per_read)
+
+
+async def test_a_pass_counts_the_ranks_messages_an_agents_frame_carries() -> None:
+    """An agent's frame stands for its ranks' messages: a pass stops at PASS_MESSAGES of those,
+    not of frames, so the timers run between agents as often as between ranks."""
+    agents = [far_end(tags=FROM_AGENT_TAGS) for _ in range(4)]
+    beats = [encode_message(beat(rank, 0)) for rank in range(32)]
+    frame = RanksUp(tuple(b.message.TAG for b in beats), tuple(b.payload for b in beats))
+    frames_per_read = READ_BYTES // len(FrameEncoder(UP).encode(frame))
+    async with reading(agents) as (_, seen):
+        for agent in agents:
+            agent.send([frame] * 100)
+        await trio.testing.wait_all_tasks_blocked()
+    assert all(len(seen.messages[i]) == 100 for i in range(4))
+    carried_per_pass: dict[int, int] = {}
+    for _, size, done, _ in seen.batches:
+        carried_per_pass[done] = carried_per_pass.get(done, 0) + size * frame.carried
+    # One channel's read may finish past the cap, never a second one.
+    assert max(carried_per_pass.values()) <= PASS_MESSAGES + frames_per_read * frame.carried
+    assert len(carried_per_pass) >= 4 * 100 * 32 // (PASS_MESSAGES + frames_per_read * 32)
 
 
 async def test_closing_while_running_stops_it_and_unhooks_every_stream() -> None:
