@@ -42,26 +42,28 @@ SAVER_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 @attrs.define
 class Ledger:
-    """Which step each stem holds: certainly (``intact``) or perhaps (``perhaps``)."""
+    """Which step each stem holds: certainly (``intact``) or one of several (``perhaps``)."""
 
     intact: dict[int, int] = attrs.field(factory=dict)
-    perhaps: dict[int, int] = attrs.field(factory=dict)
+    perhaps: dict[int, set[int]] = attrs.field(factory=dict)
 
     def saved(self, step: int) -> None:
         self.intact[step % SLOTS] = step
         self.perhaps.pop(step % SLOTS, None)
 
     def interrupted(self, step: int) -> None:
-        """A save of ``step`` was killed: its stem now holds ``step``, its old bundle or none."""
+        """A save of ``step`` was killed: its stem now holds ``step`` (the save may have ended
+        before the kill, with ``latest.json`` still naming another stem), what it held before,
+        or nothing. It stays so until a later save to the stem completes, however many loads
+        come first: a load follows ``latest.json`` and may pick another stem."""
         slot = step % SLOTS
-        old = self.intact.pop(slot, self.perhaps.get(slot))
-        if old is not None:
-            self.perhaps[slot] = old
+        before = {self.intact.pop(slot)} if slot in self.intact else self.perhaps.get(slot, set())
+        self.perhaps[slot] = {*before, step}
 
-    def allowed(self, interrupted_step: int) -> tuple[int | None, set[int]]:
+    def allowed(self) -> tuple[int | None, set[int]]:
         """The oldest acceptable step (None: no bundle needed) and every possible one."""
         floor = max(self.intact.values(), default=None)
-        possible = {*self.intact.values(), *self.perhaps.values(), interrupted_step}
+        possible = {*self.intact.values(), *(step for s in self.perhaps.values() for step in s)}
         return floor, possible
 
     def confirm(self, step: int) -> None:
@@ -160,10 +162,27 @@ async def test_sigkill_during_saves_never_leaves_a_broken_latest(tmp_path: Path)
             interruptions += traces_of_an_interrupted_save(tmp_path)
             completed += len(saves)
 
-            loaded = load_and_check(tmp_path, *ledger.allowed(in_progress))
+            loaded = load_and_check(tmp_path, *ledger.allowed())
             if loaded is not None:
                 ledger.confirm(loaded)
             attempt += 1
     assert completed > 0, "no save ever completed: the kill delays are too short"
     assert loaded is not None
     assert interruptions >= WANTED_INTERRUPTIONS, f"only {interruptions} kills landed mid-save"
+
+
+def test_the_ledger_keeps_an_interrupted_save_possible_until_its_stem_is_saved_again() -> None:
+    """What a loaded CI run met: step 2000's save ended just before its kill, latest.json still
+    named step 1002's stem, so the next load gave 1002; the save after it removed 1002's meta,
+    and the load then found 2000, which must still count as possible."""
+    ledger = Ledger()
+    for step in (1000, 1001, 1002):
+        ledger.saved(step)
+    ledger.interrupted(2000)
+    ledger.confirm(1002)
+    ledger.interrupted(3000)
+    floor, possible = ledger.allowed()
+    assert floor == 1000
+    assert possible == {1000, 1001, 2000, 1002, 3000}
+    ledger.saved(3002)  # a completed save to 2000's stem: 2000 is gone from it
+    assert 2000 not in ledger.allowed()[1]
