@@ -15,8 +15,8 @@ A pass reads at most :data:`PASS_CHANNELS` channels, at most :data:`READ_BYTES` 
 and no further channel once it has handed over :data:`PASS_MESSAGES` messages (a frame that
 carries others, a node agent's, counts as those it carries); then it lets the other tasks run.
 Channels left over are read first in the next pass, so a flooding peer can neither starve the
-others nor stall the event loop. The figures are in
-``docs/benchmarks.md`` ("Coordinator scale").
+others nor stall the event loop. The figures are in ``docs/benchmarks.md`` ("Coordinator
+scale").
 """
 
 from __future__ import annotations
