@@ -10,7 +10,8 @@ CheckpointError saying there is none.
 
 What "known to be intact" means: a bundle whose save the child reported done, unless a later
 save under the same stem started since. The save a kill interrupted may have completed (before
-the child could report it) or not; the bundle it was replacing may or may not survive.
+the child could report it) or not; the bundle it was replacing may or may not survive. Either
+stays possible until a later save to that stem completes, however many loads come first.
 """
 
 from __future__ import annotations
