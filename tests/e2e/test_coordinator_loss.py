@@ -16,18 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from flodl.host.environment import OP_TIMEOUT
-from tests.e2e.commands import rank_pids, wait_exits
+from tests.e2e.commands import rank_pids, short_collectives_env, wait_exits
 from tests.worker.procs import DIGITS, live_in_groups
 
 # own_warm_helper: the tests find a launcher's or agent's ranks among its descendants.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_warm_helper")]
-
-
-OP_TIMEOUT_S = 10
-"""The ranks' collective timeout. A rank whose round was under way when the launcher died ends
-only once that collective has (an abandoned op still writes its buffer): up to the timeout
-plus 5 s, 35 s at the default of 30, beyond the 30 s the test gives the ranks to exit."""
 
 
 def _launch(run_dir: Path, nproc: int, *args: str) -> subprocess.Popen[str]:
@@ -38,7 +31,7 @@ def _launch(run_dir: Path, nproc: int, *args: str) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        env={**os.environ, OP_TIMEOUT: str(OP_TIMEOUT_S)},
+        env=short_collectives_env(),
     )
 
 

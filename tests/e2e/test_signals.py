@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from flodl.checkpoint import load_bundle
-from flodl.host.environment import OP_TIMEOUT
-from tests.e2e.commands import rank_pids, wait_exits
+from tests.e2e.commands import rank_pids, short_collectives_env, wait_exits
 from tests.worker.procs import DIGITS, live_in_groups
 
 # own_warm_helper: the tests find a launcher's or agent's ranks among its descendants.
@@ -244,10 +243,9 @@ def test_a_second_ctrl_c_kills_and_the_summary_says_what_was_not_saved(tmp_path:
 
 def test_ranks_do_not_outlive_a_sigkilled_launcher(tmp_path: Path) -> None:
     """Out of the launcher's process group, a rank still ends when its launcher dies: it sees
-    the coordinator's connection close and gives up. A rank killed out of a round waits at its
-    backend's close for the round's abandoned collective, up to the op timeout plus 5 s: 10 s
-    here, so that the wait below is bounded by the heartbeat timeout, not by that."""
-    env = {**os.environ, OP_TIMEOUT: "10"}
+    the coordinator's connection close and gives up (a round under way ends first, within
+    the short collective timeout it is given)."""
+    env = short_collectives_env()
     launcher = Launcher(tmp_path / "run", 2, DIGITS, "--epochs", "50", env=env)
     launcher.read_until("epoch 1 started")
     ranks = launcher.children()
