@@ -168,9 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             test_accuracy = accuracy(model, x_test, y_test)
             rank.report_final(test_accuracy=test_accuracy)
             print(f"rank {rank.rank}: test accuracy {test_accuracy:.4f}", flush=True)
-    except ShutdownRequested as stop:
-        print(f"flodl: {stop}", file=sys.stderr, flush=True)
-        return 0
+    except ShutdownRequested as stop:  # saved, and said so: caught to leave by os._exit below
+        return stop.exit_status
     except FlodlError as err:
         print(f"flodl: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         return 1

@@ -161,9 +161,26 @@ class CheckpointError(FlodlError):
     """A checkpoint could not be written or read (bad schema, newer version, missing file)."""
 
 
-class ShutdownRequested(FlodlError):
-    """The coordinator ended the run; ``reason`` tells whether a save was asked for."""
+class ShutdownRequested(FlodlError, SystemExit):
+    """The coordinator ended the run with a save; ``reason`` says why.
 
-    def __init__(self, message: str, reason: object | None = None) -> None:
+    It is also a ``SystemExit``, so a script that does not catch it ends as ``sys.exit`` would,
+    without a traceback (the rank has said why on stderr): status 0 after a stop the run was
+    asked for (``stopped_as_asked``: Ctrl-C, SIGTERM, a rank's save-and-stop), whose bundles
+    are saved and resumable; status 1 after a save the run was driven to (a stalled round, too
+    few ranks left), so that a scheduler sees a run that did not do its work. ``except
+    Exception`` and ``except FlodlError`` still catch it.
+    """
+
+    def __init__(
+        self, message: str, reason: object | None = None, *, stopped_as_asked: bool = False
+    ) -> None:
         super().__init__(message)
         self.reason = reason
+        self.stopped_as_asked = stopped_as_asked
+        self.code = self.exit_status
+
+    @property
+    def exit_status(self) -> int:
+        """What the rank's process exits with when this ends it: 0 or 1 (class docstring)."""
+        return 0 if self.stopped_as_asked else 1

@@ -54,13 +54,7 @@ from flodl.core.rank.effects import (
     Wake,
 )
 from flodl.core.rank.machine import RankMachine
-from flodl.errors import (
-    CheckpointError,
-    ConfigError,
-    CoordinatorError,
-    FlodlError,
-    OutOfTurn,
-)
+from flodl.errors import CheckpointError, ConfigError, CoordinatorError, FlodlError, OutOfTurn
 from flodl.transports.channel import Channel
 from flodl.wire.fields import MAX_TEXT
 from flodl.wire.messages import (
@@ -78,6 +72,7 @@ from flodl.worker.records import record_death, report_path, write_json_atomic
 from flodl.worker.rounds import RoundRunner
 from flodl.worker.saving import BundleSaver
 from flodl.worker.settings import receive_settings
+from flodl.worker.signals import say_stopped
 from flodl.worker.staging import StagedBatch
 from flodl.worker.wakeup import Wakeup
 
@@ -383,7 +378,9 @@ class Worker:
         nursery.start_soon(self._membership.join_announced)
 
     def note_exit(self, error: BaseException | None) -> None:
-        """Record why the training script left the block (for ``rank<N>.json``)."""
+        """Record why the training script left the block (for ``rank<N>.json``); a stop
+        the coordinator asked for is also said on stderr (:func:`say_stopped`)."""
+        say_stopped(self.rank, error)
         if error is None:
             self.machine.life.note_exit("left the training loop")
         elif isinstance(error, KeyboardInterrupt):

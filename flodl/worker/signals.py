@@ -29,10 +29,11 @@ from typing import Any
 import trio
 
 from flodl.core.rank.effects import Send
+from flodl.errors import ShutdownRequested
 from flodl.host.hangup import stop_signals
 from flodl.wire.messages import Intent, IntentKind
 
-__all__ = ["ENV_VAR", "StopOnSignals"]
+__all__ = ["ENV_VAR", "StopOnSignals", "say_stopped"]
 
 ENV_VAR = "FLODL_STOP_ON_SIGNALS"
 
@@ -87,3 +88,11 @@ class StopOnSignals:
         intent = Intent(rank=worker.rank, kind=IntentKind.SAVE_AND_STOP)
         # Worker._post performs the send and flushes it from a task of the rank's own loop.
         worker._post([Send(intent)])
+
+
+def say_stopped(rank: int, error: BaseException | None) -> None:
+    """When ``error`` is a :class:`~flodl.errors.ShutdownRequested`, say on stderr why the rank
+    stops: left uncaught, it ends the process as the ``SystemExit`` it also is, which Python
+    does without a word."""
+    if isinstance(error, ShutdownRequested):
+        print(f"flodl: rank {rank}: {error}", file=sys.stderr, flush=True)

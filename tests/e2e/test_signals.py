@@ -204,6 +204,34 @@ def test_ctrl_c_to_the_whole_group_saves_and_resumes_with_other_ranks(tmp_path: 
     assert (run_dir / "events.1.jsonl").exists() and (run_dir / "events.jsonl").exists()
 
 
+def readme_example(path: Path) -> Path:
+    """The README's example, with more epochs than the test lets it train and a line printed at
+    each average (so the test knows the group trains)."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    code = re.search(r"## Example\n\n```python\n(.*?)```", readme, re.S)
+    assert code is not None, "README.md has no example"
+    loop = "    for batch in rank.batches(dataset_size=len(X), batch_size=32, epochs=5):\n"
+    assert loop in code.group(1), "the README's loop changed: update this test"
+    said = '        if batch.averaged:\n            print("averaged", flush=True)\n'
+    path.write_text(code.group(1).replace(loop, loop.replace("5", "500") + said))
+    return path
+
+
+def test_ctrl_c_to_the_readme_example_saves_and_exits_0_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """The README's script catches nothing: a stop it was asked for still ends each rank with
+    status 0, no traceback, and a line that says the rank saved."""
+    launcher = Launcher(tmp_path / "run", 2, readme_example(tmp_path / "train.py"))
+    launcher.read_until("[rank 1] averaged")
+    os.killpg(launcher.process.pid, signal.SIGINT)
+    assert_saved_by_every_rank(launcher, 2, "SIGINT")
+    assert "Traceback" not in launcher.output
+    for rank in range(2):
+        said = f"[rank {rank}] flodl: rank {rank}: coordinator asked to save and stop: GRACEFUL"
+        assert said in launcher.output
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_to_the_launcher_alone_saves(tmp_path: Path, signum: signal.Signals) -> None:
     launcher = Launcher(tmp_path / "run", 2, DIGITS, "--epochs", "8")

@@ -186,6 +186,8 @@ class Lifecycle:
             raise OutOfTurn(f"save_finished() in state {self.state.value}")
         self.move(Move.SAVE_FINISHED)
         message = f"coordinator asked to save and stop: {reason.name} ({outcome})"
-        self.error = ShutdownRequested(message, reason)
+        self.error = ShutdownRequested(
+            message, reason, stopped_as_asked=reason is SaveReason.GRACEFUL
+        )
         self.note_exit(f"shutdown_with_save:{reason.name}")
         return reason
