@@ -101,4 +101,7 @@ def _why(seen: Mapping[str, Any]) -> str:
     if isinstance(code, int) and code != 0:
         return f"exited with code {code}"
     cause = seen.get("cause") or seen.get("loss_cause")
+    detail = seen.get("why")  # what the coordinator saw: "ChannelClosed: node 1's agent is gone"
+    if cause and detail:
+        return f"lost ({cause}: {detail})"
     return f"lost ({cause})" if cause else "lost"

@@ -30,7 +30,7 @@ from flodl.host.console import say
 from flodl.host.environment import session_key_from_env
 from flodl.host.layout import ranks_of
 from flodl.host.rundir import fresh_run_dir
-from flodl.launch.exit_status import describe_losses, strict_failure
+from flodl.launch.exit_status import describe_losses, strict_failure, with_losses
 from flodl.launch.failure_report import (
     coordinator_succeeded,
     coordinator_summary,
@@ -160,6 +160,8 @@ def run_nodes_command(args: Any, config: CoordinatorConfig, views: ViewConfig) -
             resume=None if plan is None else plan.state,
         )
         result, summary = trio.run(first)
+        line = f"flodl: run {summary['status']} ({summary['message']})"
+        say(with_losses(line, summary, args.nnodes * args.nproc))
         print_root_cause(summary, sys.stdout)
         say(f"  summary: {agent.run_dir / 'summary.json'}")
     say(result.closing_line(f"flodl run: node {args.node_rank}"))

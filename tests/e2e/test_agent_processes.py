@@ -180,7 +180,9 @@ def test_a_killed_agent_takes_its_ranks_and_the_other_host_trains_on(tmp_path: P
         job.kill_all()
     assert host0.returncode == 0, host0_out
     assert len(accuracies(host0_out)) == 2  # node 0's ranks trained every epoch
-    assert "flodl: run completed" in coord
+    # The closing line says which ranks the run lost, and how.
+    assert "flodl: run completed with ranks [0, 1] of 3; rank 2 lost (disconnected: " in coord
+    assert "node 1's agent is gone" in coord
     # The orphan saved its own bundle before it exited.
     assert list((tmp_path / "host1" / "checkpoints").rglob("*.model.safetensors")), list(
         (tmp_path / "host1").rglob("*")
@@ -219,6 +221,7 @@ def test_flodl_run_with_nnodes_serves_the_coordinator_on_node_0(tmp_path: Path) 
     finally:
         job.kill_all()
     assert [p.returncode for p in job.procs] == [0, 0], (node1, node0)
+    assert "flodl: run completed (all epochs done)" in node0  # node 0 speaks for the run
     assert "node 1 runs ranks 1-1 of 2" in node1
     assert "node 0 runs ranks 0-0 of 2" in node0
     found = accuracies(node0, node1)

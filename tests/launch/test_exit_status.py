@@ -72,6 +72,14 @@ def test_each_lost_rank_is_named_with_why_and_when() -> None:
     )
 
 
+def test_a_rank_lost_with_its_agent_is_named_with_what_the_coordinator_saw() -> None:
+    summary = summary_of("completed", [0, None], lost=[1])
+    summary["deaths"][0].update(cause="disconnected", why="ChannelClosed: node 1's agent is gone")
+    describe_losses(summary, 2)
+    (lost,) = summary["lost"]
+    assert lost["why"] == "lost (disconnected: ChannelClosed: node 1's agent is gone)"
+
+
 def test_nothing_is_added_when_no_rank_was_lost() -> None:
     summary = summary_of("completed", [0, 0], lost=[])
     describe_losses(summary, 2)
