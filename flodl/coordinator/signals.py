@@ -5,7 +5,8 @@ The first SIGINT, SIGTERM or SIGHUP (unless SIGHUP was ignored when the process 
 writes its bundle at its next batch boundary and exits. A later SIGINT or SIGTERM runs what the
 caller gave for it (``flodl run`` kills every rank; ``flodl coordinator`` stops at once). A later
 SIGHUP changes nothing: a closing terminal may send it twice (the kernel to its foreground
-group, the shell to its jobs), and the save must go on.
+group, the shell to its jobs), and the save must go on. A terminal's Ctrl-Z (SIGTSTP) is
+declined with a word (:data:`NOT_PAUSED`), unless SIGTSTP was ignored when the process started.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ import trio
 
 from flodl.host.console import say
 from flodl.host.hangup import stop_signals
+
+NOT_PAUSED = (
+    "flodl: Ctrl-Z (SIGTSTP) ignored: the ranks would give up on a paused coordinator or agent "
+    "once it is silent for the heartbeat timeout; Ctrl-C saves every rank and stops"
+)
+"""What a terminal's Ctrl-Z gets: the ranks run in sessions of their own, so only this process
+would stop, and the run would fall apart around it."""
 
 
 class Stoppable(Protocol):
@@ -50,7 +58,8 @@ async def watch_signals(
 ) -> None:
     """First SIGINT/SIGTERM/SIGHUP (:func:`flodl.host.hangup.stop_signals`): every rank saves and
     stops. Any later SIGINT or SIGTERM: ``again()`` (the launcher kills every rank; ``flodl
-    coordinator`` stops at once); a later SIGHUP is recorded and changes nothing. ``again_says``:
+    coordinator`` stops at once); a later SIGHUP is recorded and changes nothing; SIGTSTP only
+    gets :data:`NOT_PAUSED` said. ``again_says``:
     what ``again()`` does, as offered after the first ("kill the ranks") and as done ("killing
     the ranks").
 
@@ -61,6 +70,8 @@ async def watch_signals(
         # What the receiver puts back when it closes, and re-raises a late SIGHUP into: after
         # the run the process has a summary to write, and must not die of a hangup.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    if signal.getsignal(signal.SIGTSTP) != signal.SIG_IGN:
+        handled = (*handled, signal.SIGTSTP)
     with trio.open_signal_receiver(*handled) as signals:
         task_status.started()
         await _take_signals(signals, coordinator, stops, again, again_says)
@@ -75,6 +86,9 @@ async def _take_signals(
 ) -> None:
     async for signum in signals:
         name = signal.Signals(signum).name
+        if signum == signal.SIGTSTP:
+            say(NOT_PAUSED, sys.stderr)
+            continue
         stops.received.append(name)
         if signum == signal.SIGHUP and len(stops.received) > 1:
             continue  # the terminal closing again (module docstring): the save goes on

@@ -240,6 +240,21 @@ def test_a_signal_to_the_launcher_alone_saves(tmp_path: Path, signum: signal.Sig
     assert_saved_by_every_rank(launcher, 2, signum.name)
 
 
+def test_ctrl_z_does_not_pause_the_launcher_and_the_run_completes(tmp_path: Path) -> None:
+    """A terminal's Ctrl-Z (SIGTSTP to the launcher's group; the ranks run in sessions of their
+    own) would leave the ranks training under a stopped coordinator until they give up on it:
+    the launcher declines it, says why, and the run goes on to the end."""
+    launcher = Launcher(tmp_path / "run", 2, DIGITS, "--epochs", "4")
+    launcher.read_until("epoch 1 started")
+    os.killpg(launcher.process.pid, signal.SIGTSTP)
+    launcher.read_until("flodl: Ctrl-Z (SIGTSTP) ignored")
+    assert launcher.finish() == 0, launcher.output
+    summary = launcher.summary()
+    assert summary["status"] == "completed" and summary["lost_ranks"] == [], launcher.output
+    assert summary["signals"] == []
+    launcher.assert_no_process_left()
+
+
 @pytest.mark.long
 def test_a_second_ctrl_c_kills_and_the_summary_says_what_was_not_saved(tmp_path: Path) -> None:
     script = tmp_path / "stuck.py"
