@@ -59,6 +59,7 @@ import trio
 from flodl.config import CoordinatorConfig
 from flodl.coordinator.admission import Carried, serve_ranks
 from flodl.coordinator.agents import AgentDesk
+from flodl.coordinator.beats import beat_ranks
 from flodl.coordinator.carried import CarriedRank
 from flodl.coordinator.links import CONNECTION_ERRORS, Links, link_handlers
 from flodl.coordinator.probe import Probing, ShellProbe
@@ -77,17 +78,13 @@ from flodl.transports import open_listener
 from flodl.transports.channel import Channel
 from flodl.transports.channel_reader import ChannelReader
 from flodl.transports.readers import reader_for
-from flodl.wire.codec import encode_message
 from flodl.wire.handshake import check_session_key
-from flodl.wire.messages import CoordHeartbeat, Message, RunSettings
+from flodl.wire.messages import Message, RunSettings
 
 log = logging.getLogger("flodl.coordinator")
 
 EventSink = Callable[[int, TimelineEvent], None]
 """Takes each timeline event with its sequence number (:meth:`Coordinator.add_event_sink`)."""
-
-HEARTBEAT_SLOTS = 16
-"""The heartbeat interval is cut into this many slots; each rank beats in one of them."""
 
 
 class Coordinator:
@@ -318,35 +315,23 @@ class Coordinator:
                 self._links.apply(probing.message(machine, rank, message, now))
 
     async def heartbeat_loop(self) -> None:
-        """Beat every ``heartbeat_interval`` until the run ends; nothing else can delay it.
+        """Beat every rank until the run ends (:func:`~flodl.coordinator.beats.beat_ranks`),
+        and put each pause of this process on the run's record."""
+        node_of = self.agents.table.owner if self.agents is not None else lambda _r: None
+        config = self._config
+        beats = partial(beat_ranks, self._links, node_of, config.heartbeat_interval)
+        async with trio.open_nursery() as nursery:
+            pause_after = config.heartbeat_timeout / 2  # half way to the ranks giving up
+            nursery.start_soon(partial(beats, pause_after=pause_after, on_paused=self._paused))
+            await self._finished.wait()
+            nursery.cancel_scope.cancel()
 
-        Each rank gets one beat per interval, at a phase of its own: the interval is cut into
-        :data:`HEARTBEAT_SLOTS` slots and rank ``r`` beats in slot ``r % HEARTBEAT_SLOTS``, so
-        a large world is not sent (and does not answer) a thousand frames at one instant. The
-        ranks a node agent carries beat in their node's slot, together: one frame per host.
-        """
-        interval = self._config.heartbeat_interval
-        beat = encode_message(CoordHeartbeat())
-        started = trio.current_time()
-        links = self._links
-        slot = 0
-        by_slot: list[list[int]] = []
-        placed = -1  # the links' version by_slot was built for
-        while not self._finished.is_set():
-            if links.version != placed:  # someone came or went: place the ranks again
-                owner = self.agents.table.owner if self.agents is not None else lambda _r: None
-                by_slot = [[] for _ in range(HEARTBEAT_SLOTS)]
-                for rank in links.by_rank:
-                    node = owner(rank)
-                    by_slot[(rank if node is None else node) % HEARTBEAT_SLOTS].append(rank)
-                placed = links.version
-            for rank in by_slot[slot % HEARTBEAT_SLOTS]:
-                link = links.by_rank.get(rank)
-                if link is not None:
-                    links.enqueue(link, beat)
-            links.flush()
-            slot += 1
-            await trio.sleep_until(started + slot * interval / HEARTBEAT_SLOTS)
+    def _paused(self, seconds: float) -> None:
+        """This process did not run for ``seconds``: on the record (and to the views)."""
+        timeline, timeout = self._machine.timeline, self._config.heartbeat_timeout
+        now = trio.current_time()
+        timeline.add(now, EventKind.COORDINATOR_PAUSED, seconds=seconds, heartbeat_timeout=timeout)
+        self._after_effects()
 
     async def deadline_loop(self) -> None:
         """Sleep until the machine's next deadline (moved earlier as events arrive), then tick."""

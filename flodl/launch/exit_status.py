@@ -93,6 +93,8 @@ def with_losses(line: str, summary: Mapping[str, Any], world_size: int) -> str:
 
 
 def _why(seen: Mapping[str, Any]) -> str:
+    if str(seen.get("exit_reason")).startswith("coordinator_lost"):
+        return "gave up on its silent coordinator"  # and said so; its error says only that
     if seen.get("signal"):
         return f"killed by {seen['signal']}"
     if seen.get("error"):

@@ -54,8 +54,11 @@ TAIL_LINES = 15
 LOG_READ_BYTES = 256 * 1024
 """Only the end of a rank's log is read for its traceback."""
 TRACEBACK_HEADER = "Traceback (most recent call last):"
-_CONSEQUENCES = ("ShutdownRequested", "CoordinatorLost")
+_CONSEQUENCES = ("ShutdownRequested",)
 """Errors a rank raises because the run was stopped around it: never a root cause."""
+_CONSEQUENT_EXITS = ("shutdown", "coordinator_lost")
+"""How a rank's report says it ended because of the coordinator: it stopped the run, or the rank
+gave up on it (its silence is the cause, not the rank)."""
 _PIPE = re.compile(r"^(?:\s*[|+][ -]*)+")
 """The ``  | `` and ``  +-+---`` margins of an exception group's traceback."""
 
@@ -124,7 +127,7 @@ def _is_consequence(error: str | None, exit_reason: Any) -> bool:
     """The rank stopped because the run was stopped around it."""
     if error is not None and any(name in error.split(":", 1)[0] for name in _CONSEQUENCES):
         return True
-    return isinstance(exit_reason, str) and exit_reason.startswith("shutdown")
+    return isinstance(exit_reason, str) and exit_reason.startswith(_CONSEQUENT_EXITS)
 
 
 def _death_times(record: RunRecord, unix: Any) -> dict[int, float]:
@@ -203,6 +206,23 @@ def _rank_failures(
     return found
 
 
+def _pauses(record: RunRecord, unix: Any) -> list[_Candidate]:
+    """Each time the coordinator's process did not run for as long as the ranks' heartbeat
+    timeout: they gave up on it, so it comes before what they did then."""
+    found = []
+    for event in record.timeline.of_kind(EventKind.COORDINATOR_PAUSED):
+        seconds, timeout = event.detail["seconds"], event.detail["heartbeat_timeout"]
+        if seconds >= timeout:
+            error = (
+                f"the coordinator did not run for {seconds:.1f} s (its process was paused or "
+                f"starved: SIGSTOP, a suspended machine), past the ranks' heartbeat timeout "
+                f"({timeout:g} s): they gave up on it"
+            )
+            cause = {"rank": None, "kind": "coordinator", "error": error}
+            found.append(_Candidate((False, unix(event.time - seconds)), cause))
+    return found
+
+
 def _fallback(summary: dict[str, Any], stops: StopSignals | None) -> dict[str, Any]:
     """A run that did not succeed with no rank to blame: a stop signal, or the coordinator."""
     received = [] if stops is None else stops.received
@@ -246,6 +266,7 @@ def add_failure_report(
         candidates += found
     ok = _succeeded(summary) and all(r.get("exit_code") == 0 for r in summary["ranks"])
     blamed = [c for c in candidates if not c.order[0]]  # never a rank the run stopped
+    blamed += _pauses(record, unix)
     if blamed and not ok:
         summary["root_cause"] = min(blamed, key=lambda c: c.order).cause
     elif not ok:

@@ -2,9 +2,11 @@
 
 The coordinator's outcome says a save was asked for; only the files say whether it happened. A
 rank counts as saved when its newest complete bundle (:func:`flodl.checkpoint.find_latest`)
-was written in this run (not before its rank's first start), carries the save's reason, and
-every file in its manifest has the size and sha256 it records. The ranks that had to save are
-those in the group when the save was asked for. The summary's status follows:
+was written in this run (not before its rank's first start), carries the save's reason (or says
+the rank saved it on losing the coordinator, as each rank does once its coordinator was silent
+for the heartbeat timeout), and every file in its manifest has the size and sha256 it records.
+The ranks that had to save are those in the group when the save was asked for. The summary's
+status follows:
 
 * ``saved``: every one of them saved;
 * ``partially_saved``: some did (``--resume`` goes on from the newest), the others are named;
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from flodl.checkpoint import CheckpointMeta, find_latest
+from flodl.checkpoint.meta import LOSS_REASON
 from flodl.checkpoint.resume import checkpoints_dir
 from flodl.coordinator.signals import StopSignals
 from flodl.core.coordinator.ending import Status
@@ -119,8 +122,12 @@ def account_saves(
     if outcome.status is not Status.SAVED:
         return SaveAccount(status, message, {item.rank: None for item in spawned}, missing)
     by_rank = {item.rank: item for item in spawned}
+    on_their_own: list[int] = []
     for item in spawned:
         path = verified_bundle(run_dir, item.rank, item.started_unix, reason)
+        if path is None:  # it may have given up on a silent coordinator and saved all the same
+            path = verified_bundle(run_dir, item.rank, item.started_unix, LOSS_REASON)
+            on_their_own += [] if path is None else [item.rank]
         bundles[item.rank] = None if path is None else str(path)
     for rank in sorted(members_at_save(record)):
         if bundles.get(rank) is None:
@@ -133,6 +140,8 @@ def account_saves(
     parts = [message]
     if saved:
         parts.append(f"saved: {_ranks(saved)}")
+    if on_their_own:
+        parts[-1] += f" ({_ranks(on_their_own)} on losing the coordinator)"
     if missing:
         parts.append("not saved: " + ", ".join(f"rank {r} ({w})" for r, w in missing.items()))
     elif not saved:

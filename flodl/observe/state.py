@@ -10,6 +10,7 @@ docs/observability.md ("State").
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +30,7 @@ NOTABLE = frozenset(
         "Shutdown",
         "AnchorChanged",
         "StopRequested",
+        "CoordinatorPaused",
     }
 )
 """Kinds of events the views print as a line of their own (also when stdout is no terminal).
@@ -88,6 +90,10 @@ def describe(record: Mapping[str, Any]) -> str:
         return f"{at} {record.get('why')}: a last round, then {then}"
     if kind == "Shutdown":
         return f"{at} shutdown: {record.get('why')}"
+    if kind == "CoordinatorPaused":
+        seconds, timeout = record.get("seconds", 0.0), record.get("heartbeat_timeout", math.inf)
+        gave_up = "; the ranks gave up on it" if seconds >= timeout else ""
+        return f"{at} the coordinator did not run for {seconds:.1f} s (paused?){gave_up}"
     if kind == "AnchorChanged":
         return f"{at} anchor {record.get('before')} -> {record.get('after')}"
     if kind == "RankJoined":

@@ -1,7 +1,8 @@
 """The ``flodl: ...`` line a run prints for each event that matters, with saves summarised.
 
 Lines are printed for a death, a recovery (the group re-formed), a start without ranks that
-died joining, a rejoin, a redone round, a save request, the save results, and the shutdown;
+died joining, a rejoin, a redone round, a save request, the save results, the shutdown, and a
+pause of the coordinator's own process;
 never one per round. The ranks' ``CheckpointSaved`` records of one save arrive within
 moments of each other, so :class:`EventLines` holds successful ones back for up to
 :data:`SAVE_GROUP_S` and prints one line for all of them (``ranks 0, 1, 2 saved in 71-80 ms``);
@@ -32,6 +33,7 @@ _KINDS = frozenset(
         "StopRequested",
         "CheckpointSaved",
         "Shutdown",
+        "CoordinatorPaused",
     }
 )
 

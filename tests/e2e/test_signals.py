@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,9 @@ class Launcher:
         *args: str,
         limit: float = 120,
         env: dict[str, str] | None = None,
+        flags: Sequence[str] = (),
     ):
-        argv = [sys.executable, "-m", "flodl.cli", "run", "--nproc", str(nproc)]
+        argv = [sys.executable, "-m", "flodl.cli", "run", "--nproc", str(nproc), *flags]
         argv += ["--run-dir", str(run_dir), str(script), *args]
         if "--resume" in args:
             raise AssertionError("pass --resume with resume()")
@@ -252,6 +254,37 @@ def test_ctrl_z_does_not_pause_the_launcher_and_the_run_completes(tmp_path: Path
     summary = launcher.summary()
     assert summary["status"] == "completed" and summary["lost_ranks"] == [], launcher.output
     assert summary["signals"] == []
+    launcher.assert_no_process_left()
+
+
+def test_a_launcher_paused_past_the_heartbeat_timeout_names_the_pause_and_the_saves(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP to the launcher (what Ctrl-Z would do, or a suspended machine): the ranks give
+    up on their silent coordinator and each saves its own bundle. Once the launcher runs again,
+    its summary counts those bundles and names the pause as the root cause, not a rank."""
+    timeout = ["--heartbeat-timeout", "3"]
+    launcher = Launcher(tmp_path / "run", 2, DIGITS, "--epochs", "50", flags=timeout)
+    launcher.read_until("epoch 1 started")
+    ranks = launcher.children()
+    os.kill(launcher.process.pid, signal.SIGSTOP)
+    try:
+        wait_exits(ranks, limit=60)  # each gave up on the coordinator, saved, and exited
+    finally:
+        os.kill(launcher.process.pid, signal.SIGCONT)
+    assert launcher.finish() == 1, launcher.output  # the run did not do its work
+    summary = launcher.summary()
+    assert summary["status"] == "saved", launcher.output
+    assert summary["saved"] == {"ranks": [0, 1], "missing": []}
+    for rank in summary["ranks"]:
+        assert rank["exit_reason"].startswith("coordinator_lost"), rank
+        assert rank["bundle"].endswith("-lost") and Path(rank["bundle"] + ".meta.json").is_file()
+    cause = summary["root_cause"]
+    assert (cause["rank"], cause["kind"]) == (None, "coordinator"), cause
+    assert cause["error"].startswith("the coordinator did not run for "), cause
+    assert "the ranks gave up on it" in launcher.output  # the pause's line, as it was noticed
+    assert "(ranks 0, 1 on losing the coordinator)" in launcher.output
+    assert "rank 0 gave up on its silent coordinator at " in launcher.output
     launcher.assert_no_process_left()
 
 

@@ -80,6 +80,16 @@ def test_a_rank_lost_with_its_agent_is_named_with_what_the_coordinator_saw() -> 
     assert lost["why"] == "lost (disconnected: ChannelClosed: node 1's agent is gone)"
 
 
+def test_a_rank_that_gave_up_on_its_coordinator_says_so_rather_than_its_error() -> None:
+    summary = summary_of("saved", [1], lost=[0], reason="SINGLE_SURVIVOR")
+    summary["ranks"][0].update(
+        error="flodl.errors.CoordinatorError: the coordinator has been silent for 10 s; ...",
+        exit_reason="coordinator_lost: the coordinator has been silent for 10 s",
+    )
+    describe_losses(summary, 1)
+    assert summary["lost"][0]["why"] == "gave up on its silent coordinator"
+
+
 def test_nothing_is_added_when_no_rank_was_lost() -> None:
     summary = summary_of("completed", [0, 0], lost=[])
     describe_losses(summary, 2)

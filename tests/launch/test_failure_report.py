@@ -329,3 +329,48 @@ def test_without_agents_the_coordinator_names_the_first_rank_it_lost(tmp_path: P
     summary = _coordinator_summary(record, tmp_path)
     assert "pid" not in summary["deaths"][0]
     assert summary["root_cause"]["kind"] == "lost" and summary["root_cause"]["cause"] == "silent"
+
+
+COORDINATOR_GONE = (
+    "Traceback (most recent call last):\n  File 'x'\n"
+    "flodl.errors.CoordinatorError: the coordinator has been silent for 10 s; giving up on it\n"
+)
+
+
+def test_ranks_that_gave_up_on_a_paused_coordinator_blame_the_pause(tmp_path: Path) -> None:
+    """SIGSTOP to the launcher for 22 s: both ranks gave up on it (a traceback each, exit 1);
+    the root cause is the coordinator's pause, not the first rank to give up."""
+    machine = _machine()
+    machine.timeline.add(31.8, EventKind.RANK_DEAD, rank=0, cause="silent", why="silent")
+    machine.timeline.add(31.8, EventKind.COORDINATOR_PAUSED, seconds=22.0, heartbeat_timeout=10.0)
+    logs = {0: ExitLog(), 1: ExitLog()}
+    for rank in (0, 1):
+        (tmp_path / f"rank{rank}.log").write_text(COORDINATOR_GONE)
+        logs[rank].exited(rank, 100 + rank, 1, 1020.0 + rank)
+    lost = "coordinator_lost: the coordinator has been silent for 10 s"
+    rows = [_row(0, 100, 1, lost), _row(1, 101, 1, lost)]
+    summary = _summary("saved", rows, "SINGLE_SURVIVOR")
+    add_failure_report(summary, logs, machine, lambda t: 1000.0 + t, tmp_path)
+    cause = summary["root_cause"]
+    assert (cause["rank"], cause["kind"]) == (None, "coordinator"), cause
+    assert cause["error"].startswith("the coordinator did not run for 22.0 s")
+    assert "heartbeat timeout (10 s): they gave up on it" in cause["error"]
+
+
+def test_a_short_pause_or_a_rank_that_gave_up_alone_is_not_blamed_on_a_pause(
+    tmp_path: Path,
+) -> None:
+    machine = _machine()
+    machine.timeline.add(9.0, EventKind.COORDINATOR_PAUSED, seconds=6.0, heartbeat_timeout=10.0)
+    (tmp_path / "rank0.log").write_text(COORDINATOR_GONE)
+    logs = {0: ExitLog()}
+    logs[0].exited(0, 100, 1, 1030.0)
+    lost = "coordinator_lost: the coordinator has been silent for 10 s"
+    summary = _summary("saved", [_row(0, 100, 1, lost)], "SINGLE_SURVIVOR")
+    add_failure_report(summary, logs, machine, lambda t: 1000.0 + t, tmp_path)
+    # Not the pause (shorter than the timeout), and not the rank (it only gave up): the outcome.
+    assert summary["root_cause"] == {
+        "rank": None,
+        "kind": "coordinator",
+        "error": "connection closed",
+    }

@@ -35,6 +35,9 @@ class EventKind(enum.Enum):
     STOP_REQUESTED = "StopRequested"
     """The training stops early (a rank's ``stop``, the time budget): nothing more is handed
     out, and the run ends after a last round."""
+    COORDINATOR_PAUSED = "CoordinatorPaused"
+    """The coordinator's process did not run for ``seconds`` (SIGSTOP, a suspended machine):
+    its ranks heard nothing from it meanwhile, and give up on it past ``heartbeat_timeout``."""
 
 
 @attrs.frozen
@@ -68,6 +71,7 @@ LASTING_KINDS = frozenset(
         EventKind.SHUTDOWN,
         EventKind.GOING_ON_WITHOUT,
         EventKind.STOP_REQUESTED,
+        EventKind.COORDINATOR_PAUSED,
     }
 )
 """Kinds the timeline keeps for the whole run, however many events it drops: a few per fault,
