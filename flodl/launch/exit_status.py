@@ -92,9 +92,16 @@ def with_losses(line: str, summary: Mapping[str, Any], world_size: int) -> str:
     return line.replace(marker, marker + lost, 1) if lost and marker in line else line
 
 
+def _gave_up(error: str) -> bool:
+    """``error`` (an exception line) is a rank's CoordinatorError: it gave up on its coordinator
+    (silent, gone, or never there within the join timeout)."""
+    return error.split(":", 1)[0].endswith("CoordinatorError")
+
+
 def _why(seen: Mapping[str, Any]) -> str:
-    if str(seen.get("exit_reason")).startswith("coordinator_lost"):
-        return "gave up on its silent coordinator"  # and said so; its error says only that
+    error = str(seen.get("error"))
+    if str(seen.get("exit_reason")).startswith("coordinator_lost") or _gave_up(error):
+        return "gave up on its coordinator"  # and said so; its long error says only that
     if seen.get("signal"):
         return f"killed by {seen['signal']}"
     if seen.get("error"):

@@ -54,8 +54,9 @@ TAIL_LINES = 15
 LOG_READ_BYTES = 256 * 1024
 """Only the end of a rank's log is read for its traceback."""
 TRACEBACK_HEADER = "Traceback (most recent call last):"
-_CONSEQUENCES = ("ShutdownRequested",)
-"""Errors a rank raises because the run was stopped around it: never a root cause."""
+_CONSEQUENCES = ("ShutdownRequested", "CoordinatorError")
+"""Errors a rank raises because of its coordinator (it stopped the run, or the rank gave up on
+it: silent, gone, never there): never a root cause."""
 _CONSEQUENT_EXITS = ("shutdown", "coordinator_lost")
 """How a rank's report says it ended because of the coordinator: it stopped the run, or the rank
 gave up on it (its silence is the cause, not the rank)."""
@@ -387,7 +388,13 @@ def coordinator_summary(
         "deaths": deaths,
         "lost_ranks": sorted(record.lost_ranks()),
     }
-    summary["root_cause"] = _coordinator_root_cause(summary, deaths, stops)
+    cause = _coordinator_root_cause(summary, deaths, stops)
+    paused = _pauses(record, unix)
+    if cause is not None and paused:
+        at = cause.get("time_unix")
+        if cause["rank"] is None or at is None or paused[0].order[1] <= at:
+            cause = paused[0].cause  # the ranks it lost then had given up on it
+    summary["root_cause"] = cause
     return summary
 
 

@@ -87,7 +87,11 @@ def test_a_rank_that_gave_up_on_its_coordinator_says_so_rather_than_its_error() 
         exit_reason="coordinator_lost: the coordinator has been silent for 10 s",
     )
     describe_losses(summary, 1)
-    assert summary["lost"][0]["why"] == "gave up on its silent coordinator"
+    assert summary["lost"][0]["why"] == "gave up on its coordinator"
+    # What an agent reported of such a rank on another host: its exception line only.
+    summary["ranks"][0]["exit_reason"] = None
+    describe_losses(summary, 1)
+    assert summary["lost"][0]["why"] == "gave up on its coordinator"
 
 
 def test_nothing_is_added_when_no_rank_was_lost() -> None:

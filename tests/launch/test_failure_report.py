@@ -374,3 +374,19 @@ def test_a_short_pause_or_a_rank_that_gave_up_alone_is_not_blamed_on_a_pause(
         "kind": "coordinator",
         "error": "connection closed",
     }
+
+
+def test_a_coordinator_paused_past_the_timeout_is_its_own_root_cause(tmp_path: Path) -> None:
+    """flodl coordinator under SIGSTOP: the ranks it then declared dead for silence had given up
+    on it; the pause before those deaths is the cause."""
+    record = FakeRecord(Outcome(Status.SAVED, SaveReason.ALL_RANKS_LOST, "every rank lost"))
+    record.timeline.add(30.0, EventKind.RANK_DEAD, rank=2, cause="silent", why="no heartbeat")
+    record.timeline.add(30.1, EventKind.COORDINATOR_PAUSED, seconds=20.0, heartbeat_timeout=10.0)
+    cause = _coordinator_summary(record, tmp_path)["root_cause"]
+    assert (cause["rank"], cause["kind"]) == (None, "coordinator")
+    assert cause["error"].startswith("the coordinator did not run for 20.0 s")
+    # A death before the pause began is still the root cause.
+    early = FakeRecord(record.outcome)
+    early.timeline.add(5.0, EventKind.RANK_DEAD, rank=1, cause="disconnected", why="reset")
+    early.timeline.add(30.1, EventKind.COORDINATOR_PAUSED, seconds=20.0, heartbeat_timeout=10.0)
+    assert _coordinator_summary(early, tmp_path)["root_cause"]["rank"] == 1
