@@ -162,9 +162,10 @@ def _rank_failures(
     dead_at: float | None,
     exit_reason: Any,
 ) -> list[_Candidate]:
-    """The failures of one rank (one per failed life; the last life reads the log, and the
-    rank's report: ``exit_reason`` ``error: ...`` names what it raised when the log holds no
-    traceback, as when the rank hung before Python printed it)."""
+    """The failures of one rank (one per failed life). The log's last traceback is the last
+    failed life's (the log goes on across restarts, and a life that ended well wrote none); the
+    rank's report, ``exit_reason`` ``error: ...``, names what the last life raised when the log
+    holds no traceback, as when the rank hung before Python printed it."""
     found = []
     log = run_dir / f"rank{rank}.log"
     parsed = traceback_tail(_read_tail(log))
@@ -172,9 +173,10 @@ def _rank_failures(
     if parsed is None and isinstance(exit_reason, str) and exit_reason.startswith("error: "):
         parsed = (exit_reason.removeprefix("error: "), [])
         written = _mtime(run_dir / f"rank{rank}.json")  # written as the error left join()
+    failed = [i for i, fact in enumerate(facts) if fact.returncode != 0]
+    raised_in = failed[-1] if failed else None
     for index, fact in enumerate(facts):
-        last = index == len(facts) - 1
-        tb = parsed if last else None
+        tb = parsed if index == raised_in else None
         if fact.returncode == 0 or (fact.killed_by_launcher and tb is None):
             continue
         error, tail = tb if tb is not None else (None, [])
@@ -185,7 +187,7 @@ def _rank_failures(
         else:
             kind = "exited"
         times = [] if fact.killed_by_launcher else [fact.exited_unix]
-        if dead_at is not None and last:
+        if dead_at is not None and index == failed[0]:  # the coordinator's first death of it
             times.append(dead_at)
         if fact.killed_by_launcher and written is not None:
             times.append(written)
@@ -202,7 +204,8 @@ def _rank_failures(
             "traceback_tail": tail,
             "log": str(log),
         }
-        consequence = last and _is_consequence(error, exit_reason)
+        last = index == len(facts) - 1  # the life the rank's report is of
+        consequence = _is_consequence(error, exit_reason if last else None)
         found.append(_Candidate((consequence, when), cause))
     return found
 
@@ -267,8 +270,8 @@ def add_failure_report(
         candidates += found
     ok = _succeeded(summary) and all(r.get("exit_code") == 0 for r in summary["ranks"])
     blamed = [c for c in candidates if not c.order[0]]  # never a rank the run stopped
-    blamed += _pauses(record, unix)
-    if blamed and not ok:
+    blamed += [] if ok else _pauses(record, unix)
+    if blamed:  # also a failure the run recovered from (a rank restarted, or gone)
         summary["root_cause"] = min(blamed, key=lambda c: c.order).cause
     elif not ok:
         summary["root_cause"] = _fallback(summary, stops)

@@ -390,3 +390,22 @@ def test_a_coordinator_paused_past_the_timeout_is_its_own_root_cause(tmp_path: P
     early.timeline.add(5.0, EventKind.RANK_DEAD, rank=1, cause="disconnected", why="reset")
     early.timeline.add(30.1, EventKind.COORDINATOR_PAUSED, seconds=20.0, heartbeat_timeout=10.0)
     assert _coordinator_summary(early, tmp_path)["root_cause"]["rank"] == 1
+
+
+def test_a_failure_the_run_recovered_from_is_still_its_root_cause(tmp_path: Path) -> None:
+    """Rank 1 raised, was restarted, and its new life ended well with the run: the run
+    completed, and its root cause is the first life's error, from the log both lives wrote."""
+    (tmp_path / "rank1.log").write_text(RAISED)
+    machine = _machine()
+    machine.timeline.add(5.0, EventKind.RANK_DEAD, rank=1, cause="disconnected", why="closed")
+    logs = {0: ExitLog(), 1: ExitLog()}
+    logs[1].exited(1, 101, 1, 1005.8)  # the first life raised
+    logs[1].exited(1, 102, 0, 1020.0)  # the restart ended with the run
+    logs[0].exited(0, 100, 0, 1020.0)
+    summary = _summary("completed", [_row(0, 100, 0), _row(1, 102, 0, "completed")])
+    add_failure_report(summary, logs, machine, lambda t: 1000.0 + t, tmp_path)
+    cause = summary["root_cause"]
+    assert (cause["rank"], cause["pid"], cause["kind"]) == (1, 101, "raised"), cause
+    assert cause["error"] == "ValueError: bad batch 5"
+    assert cause["time_unix"] == 1005.0  # declared dead as it closed, before it exited
+    assert summary["ranks"][1]["error"] is None  # its last life did not fail
