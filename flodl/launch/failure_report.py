@@ -90,6 +90,27 @@ def traceback_tail(text: str, lines: int = TAIL_LINES) -> tuple[str, list[str]] 
     ``|`` margins are ignored when looking for the exception line.
     """
     rows = text.splitlines()
+    found = _last_traceback(rows)
+    if found is None:
+        return None
+    first, end = found
+    return _PIPE.sub("", rows[end]).strip(), rows[first : end + 1][-lines:]
+
+
+def tracebacks(text: str, lines: int = TAIL_LINES) -> list[tuple[str, list[str]]]:
+    """Every Python traceback in ``text``, oldest first, each as :func:`traceback_tail` gives
+    the last (a rank's log holds one per life that raised: it goes on across restarts)."""
+    rows = text.splitlines()
+    found: list[tuple[str, list[str]]] = []
+    while (block := _last_traceback(rows)) is not None:
+        first, end = block
+        found.append((_PIPE.sub("", rows[end]).strip(), rows[first : end + 1][-lines:]))
+        rows = rows[:first]
+    return found[::-1]
+
+
+def _last_traceback(rows: Sequence[str]) -> tuple[int, int] | None:
+    """The first and last row of the last traceback in ``rows`` (:func:`traceback_tail`)."""
     starts = [i for i, row in enumerate(rows) if _PIPE.sub("", row).strip() == TRACEBACK_HEADER]
     if not starts:
         return None
@@ -107,11 +128,7 @@ def traceback_tail(text: str, lines: int = TAIL_LINES) -> tuple[str, list[str]] 
             end = i
             if not rows[i].lstrip().startswith(("|", "+")):
                 break
-    if end is None:
-        return None
-    error = _PIPE.sub("", rows[end]).strip()
-    block = rows[first : end + 1]
-    return error, block[-lines:]
+    return None if end is None else (first, end)
 
 
 def _is_chain_line(row: str) -> bool:
@@ -168,15 +185,17 @@ def _rank_failures(
     holds no traceback, as when the rank hung before Python printed it."""
     found = []
     log = run_dir / f"rank{rank}.log"
-    parsed = traceback_tail(_read_tail(log))
     written = _mtime(log)  # the traceback was the last thing written
-    if parsed is None and isinstance(exit_reason, str) and exit_reason.startswith("error: "):
-        parsed = (exit_reason.removeprefix("error: "), [])
-        written = _mtime(run_dir / f"rank{rank}.json")  # written as the error left join()
     failed = [i for i, fact in enumerate(facts) if fact.returncode != 0]
-    raised_in = failed[-1] if failed else None
+    raised = tracebacks(_read_tail(log))
+    if not raised and isinstance(exit_reason, str) and exit_reason.startswith("error: "):
+        raised = [(exit_reason.removeprefix("error: "), [])]
+        written = _mtime(run_dir / f"rank{rank}.json")  # written as the error left join()
+    # A life that ended well wrote no traceback: the log's last one is the last failed life's,
+    # and so on back (the oldest may have been cut with the log's head).
+    by_life = dict(zip(reversed(failed), reversed(raised), strict=False))
     for index, fact in enumerate(facts):
-        tb = parsed if index == raised_in else None
+        tb = by_life.get(index)
         if fact.returncode == 0 or (fact.killed_by_launcher and tb is None):
             continue
         error, tail = tb if tb is not None else (None, [])

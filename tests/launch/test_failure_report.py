@@ -23,6 +23,7 @@ from flodl.launch.failure_report import (
     coordinator_summary,
     print_root_cause,
     traceback_tail,
+    tracebacks,
 )
 from flodl.supervise.exits import ExitLog, describe_exit, exit_text, signal_name
 from flodl.wire.messages import RankExited, SaveReason
@@ -409,3 +410,26 @@ def test_a_failure_the_run_recovered_from_is_still_its_root_cause(tmp_path: Path
     assert cause["error"] == "ValueError: bad batch 5"
     assert cause["time_unix"] == 1005.0  # declared dead as it closed, before it exited
     assert summary["ranks"][1]["error"] is None  # its last life did not fail
+
+
+def test_each_life_that_raised_is_named_with_its_own_traceback(tmp_path: Path) -> None:
+    """A rank that raised in each of its two lives (a bug a restart does not fix): the root
+    cause is the first life, with the first traceback of the log the two lives wrote."""
+    first_life = RAISED.replace("bad batch 5", "bad batch 30")
+    (tmp_path / "rank1.log").write_text(first_life + RAISED)
+    logs = {1: ExitLog()}
+    logs[1].exited(1, 101, 1, 1005.0)
+    logs[1].exited(1, 102, 1, 1009.0)
+    summary = _summary("completed", [_row(1, 102, 1)])
+    add_failure_report(summary, logs, _machine(), lambda t: t, tmp_path)
+    cause = summary["root_cause"]
+    assert (cause["pid"], cause["kind"], cause["error"]) == (
+        101,
+        "raised",
+        "ValueError: bad batch 30",
+    )
+    assert summary["ranks"][0]["error"] == "ValueError: bad batch 5"  # its last life's
+    assert [error for error, _ in tracebacks(first_life + "noise\n" + RAISED)] == [
+        "ValueError: bad batch 30",
+        "ValueError: bad batch 5",
+    ]
