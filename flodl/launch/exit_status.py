@@ -5,11 +5,11 @@ ranks on the way (it recovered from them: that is what flodl is for), and the su
 first line say who was lost and why. ``--strict`` makes any lost rank a failure (exit 1), for
 those who want to hear of every death from the status.
 
-"Did its work": the run completed, or a stop asked for (a signal, a rank's ``stop``) ended it
-with a save. A rank is *lost* when the run ended without it (declared dead and not rejoined:
-``lost_ranks``); the rule also needs every rank still in the run at its end to have exited 0,
-since a rank that failed after the last round loses its report. ``--strict`` fails a run on any
-death (``deaths``), even one a restart recovered from.
+"Did its work": the run completed (and a rank saved the trained model), or a stop asked for (a
+signal, a rank's ``stop``) ended it with a save. A rank is *lost* when the run ended without it
+(declared dead and not rejoined: ``lost_ranks``); the rule also needs every rank still in the
+run at its end to have exited 0, since a rank that failed after the last round loses its report.
+``--strict`` fails a run on any death (``deaths``), even one a restart recovered from.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flodl.launch.failure_report import iso_time
+from flodl.launch.failure_report import did_its_work, iso_time
 
 __all__ = [
     "describe_losses",
@@ -28,11 +28,6 @@ __all__ = [
 ]
 
 
-def _did_its_work(summary: Mapping[str, Any]) -> bool:
-    status, reason = summary.get("status"), summary.get("save_reason")
-    return status == "completed" or (status == "saved" and reason == "GRACEFUL")
-
-
 def strict_failure(summary: Mapping[str, Any]) -> bool:
     """Whether ``--strict`` fails a run that otherwise succeeded: it lost a rank."""
     return bool(summary.get("deaths"))
@@ -41,7 +36,7 @@ def strict_failure(summary: Mapping[str, Any]) -> bool:
 def run_succeeded(summary: Mapping[str, Any], *, strict: bool = False) -> bool:
     """``flodl run``'s verdict: the run did its work and every rank still in it at its end
     exited 0; with ``strict``, also no rank was lost on the way."""
-    if not _did_its_work(summary) or (strict and strict_failure(summary)):
+    if not did_its_work(summary) or (strict and strict_failure(summary)):
         return False
     gone = set(summary.get("lost_ranks") or ())
     return all(r.get("exit_code") == 0 for r in summary["ranks"] if r["rank"] not in gone)

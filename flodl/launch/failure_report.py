@@ -27,12 +27,14 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
+from flodl.checkpoint.files import write_atomically
 from flodl.core.coordinator.timeline import EventKind
 from flodl.supervise.exits import ExitFact, ExitLog, describe_exit, signal_name
 
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "add_failure_report",
+    "did_its_work",
     "coordinator_summary",
     "print_root_cause",
     "traceback_tail",
@@ -259,9 +262,14 @@ def _fallback(summary: dict[str, Any], stops: StopSignals | None) -> dict[str, A
     return {"rank": None, "kind": "coordinator", "error": summary.get("message")}
 
 
-def _succeeded(summary: dict[str, Any]) -> bool:
+def did_its_work(summary: Mapping[str, Any]) -> bool:
+    """The run completed and some rank saved the trained model (its final bundle; all hold the
+    same), or a stop asked for (save_reason GRACEFUL) ended it with every bundle saved."""
     status, reason = summary.get("status"), summary.get("save_reason")
-    return status == "completed" or (status == "saved" and reason == "GRACEFUL")
+    if status == "completed":
+        saved = summary.get("saved") or {}
+        return bool(saved.get("ranks")) or not saved.get("missing")
+    return status == "saved" and reason == "GRACEFUL"
 
 
 def add_failure_report(
@@ -287,7 +295,7 @@ def add_failure_report(
         last = found[-1].cause if found and found[-1].cause["pid"] == row.get("pid") else None
         row["error"] = None if last is None else last["error"]
         candidates += found
-    ok = _succeeded(summary) and all(r.get("exit_code") == 0 for r in summary["ranks"])
+    ok = did_its_work(summary) and all(r.get("exit_code") == 0 for r in summary["ranks"])
     blamed = [c for c in candidates if not c.order[0]]  # never a rank the run stopped
     blamed += [] if ok else _pauses(record, unix)
     if blamed:  # also a failure the run recovered from (a rank restarted, or gone)
@@ -488,9 +496,14 @@ def _explain_deaths(deaths: list[dict[str, Any]], exits: Sequence[RankExited]) -
 def coordinator_succeeded(summary: dict[str, Any]) -> bool:
     """Completed, or stopped on request (a first signal, or a rank asked to stop) with every
     rank asked to save; not after a second signal stopped it at once."""
-    return _succeeded(summary) and not summary.get("stopped_at_once")
+    return did_its_work(summary) and not summary.get("stopped_at_once")
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2, default=str))
+    """Write ``summary`` to ``path``; a disk that refuses it (full, gone) is said on stderr,
+    never raised: the closing text printed next is then all the run leaves of it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(summary, indent=2, default=str).encode())
+    except OSError as err:
+        print(f"flodl: {path} not written ({err})", file=sys.stderr, flush=True)

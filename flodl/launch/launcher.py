@@ -19,7 +19,6 @@ The session key is generated here and handed to the ranks in a 0600 file named b
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import time
@@ -36,6 +35,7 @@ from flodl.host.environment import RankEnv, rank_process_environment, write_sess
 from flodl.host.rundir import claim_run_dir, set_aside
 from flodl.host.torchrun_env import OMP_NOTE, TorchrunLayout, free_port
 from flodl.launch.config import LaunchConfig
+from flodl.launch.failure_report import write_summary
 from flodl.launch.summary import SUMMARY_NAME, build_summary
 from flodl.observe.events import EVENTS_NAME
 from flodl.observe.hub import open_observer
@@ -183,8 +183,11 @@ async def _launch(
         summary["wall_s"] = time.time() - started_unix
         summary["run_dir"] = str(run_dir)
         summary["events"] = str(run_dir / EVENTS_NAME)
-        save_coordinator_meta(run_dir, coordinator.record.checkpoint_meta())
+        try:
+            save_coordinator_meta(run_dir, coordinator.record.checkpoint_meta())
+        except OSError as err:  # a full disk: the ranks' bundles are what --resume needs most
+            say(f"flodl: the coordinator's state for --resume not written ({err})")
         if plan is not None:
             summary["resumed_from"] = str(plan.bundle)
-    (run_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str))
+    write_summary(run_dir / SUMMARY_NAME, summary)
     return summary

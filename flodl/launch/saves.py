@@ -11,6 +11,11 @@ status follows:
 * ``saved``: every one of them saved;
 * ``partially_saved``: some did (``--resume`` goes on from the newest), the others are named;
 * ``not_saved``: none did.
+
+A completed run's account is of its final bundles, the trained model, which every rank it ended
+with saves at the run's last global step: the status stays ``completed``, and the message names
+the ranks that did not save theirs (a full disk, say) with the error each reported; when none
+did, the model is lost and the run did not do its work (:mod:`flodl.launch.exit_status`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from flodl.coordinator.signals import StopSignals
 from flodl.core.coordinator.ending import Status
 from flodl.core.coordinator.timeline import EventKind
 from flodl.errors import CheckpointError
+from flodl.wire.messages import SaveReason
 
 if TYPE_CHECKING:
     from flodl.core.coordinator.record import RunRecord
@@ -38,9 +44,12 @@ if TYPE_CHECKING:
 __all__ = ["SaveAccount", "account_saves", "verified_bundle"]
 
 
-def verified_bundle(run_dir: Path, rank: int, since: float, reason: str | None) -> Path | None:
+def verified_bundle(
+    run_dir: Path, rank: int, since: float, reason: str | None, step: int | None = None
+) -> Path | None:
     """Rank ``rank``'s newest complete bundle if written at or after ``since`` (unix, less a
-    second of slack for file times) with ``save_reason`` ``reason`` and intact files."""
+    second of slack for file times) with ``save_reason`` ``reason`` (at global step ``step``,
+    when given) and intact files."""
     stem = find_latest(checkpoints_dir(run_dir) / f"rank{rank}")
     if stem is None:
         return None
@@ -48,6 +57,8 @@ def verified_bundle(run_dir: Path, rank: int, since: float, reason: str | None) 
         raw = json.loads((stem.parent / f"{stem.name}.meta.json").read_bytes())
         meta = CheckpointMeta.from_json(raw)
         if meta.created_unix < since - 1 or meta.save_reason != reason:
+            return None
+        if step is not None and meta.global_step != step:
             return None
         for entry in raw["files"].values():
             data = (stem.parent / str(entry["file"])).read_bytes()
@@ -119,6 +130,8 @@ def account_saves(
     reason = None if outcome.save_reason is None else outcome.save_reason.name
     bundles: dict[int, str | None] = {}
     missing: dict[int, str] = {}
+    if outcome.status is Status.COMPLETED:
+        return _final_bundles(record, spawned, run_dir, message)
     if outcome.status is not Status.SAVED:
         return SaveAccount(status, message, {item.rank: None for item in spawned}, missing)
     by_rank = {item.rank: item for item in spawned}
@@ -147,3 +160,31 @@ def account_saves(
     elif not saved:
         parts.append("no rank saved a bundle")
     return SaveAccount(status, "; ".join(parts), bundles, missing)
+
+
+def _final_bundles(
+    record: RunRecord, spawned: Sequence[RankProcess], run_dir: Path, message: str
+) -> SaveAccount:
+    """A completed run's account: the final bundle (the trained model, at the run's last global
+    step) of each rank it ended with. The message names the ranks that did not save it, with
+    the error each reported."""
+    lost = record.lost_ranks()
+    errors = {
+        int(e.detail["rank"]): str(e.detail["error"])
+        for e in record.timeline.of_kind(EventKind.CHECKPOINT_SAVED)
+        if e.detail.get("error")
+    }
+    bundles: dict[int, str | None] = {}
+    missing: dict[int, str] = {}
+    for item in spawned:
+        path = verified_bundle(
+            run_dir, item.rank, item.started_unix, SaveReason.CHECKPOINT.name, record.global_step
+        )
+        bundles[item.rank] = None if path is None else str(path)
+        if path is None and item.rank not in lost:
+            missing[item.rank] = errors.get(item.rank, "no final bundle written")
+    if missing:
+        saved = sorted(r for r, b in bundles.items() if b is not None)
+        kept = f"saved by {_ranks(saved)}" if saved else "saved by no rank: the model is lost"
+        message = f"{message}; the final bundle {kept}; not by {_ranks(sorted(missing))}"
+    return SaveAccount("completed", message, bundles, missing)

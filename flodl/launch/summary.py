@@ -204,10 +204,15 @@ def print_summary(summary: dict[str, Any], stream: Any = None) -> None:
         print(f"  {name}: {value}", file=out)
     if summary.get("versus_ddp"):
         print(f"  {describe(summary['versus_ddp'])}", file=out)
-    for rank in summary["ranks"]:
-        if rank.get("bundle"):
-            print(f"  rank {rank['rank']} saved {rank['bundle']}", file=out)
-    for missing in (summary.get("saved") or {}).get("missing", []):
+    saved = [rank for rank in summary["ranks"] if rank.get("bundle")]
+    unsaved = (summary.get("saved") or {}).get("missing", [])
+    if status == Status.COMPLETED.value and saved and not unsaved:
+        # Every rank saved the same trained model: one line says where.
+        print(f"  final bundle: {saved[0]['bundle']} (and every other rank's)", file=out)
+        saved = []
+    for rank in saved:
+        print(f"  rank {rank['rank']} saved {rank['bundle']}", file=out)
+    for missing in unsaved:
         print(f"  rank {missing['rank']} NOT saved: {missing['why']}", file=out)
     print_root_cause(summary, out)
 

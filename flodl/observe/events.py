@@ -14,8 +14,10 @@ run), events are dropped and counted, and the log's last line says how many.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -23,6 +25,7 @@ from typing import Any, TextIO
 import trio
 
 from flodl.core.coordinator.timeline import TimelineEvent
+from flodl.host.console import say
 from flodl.host.rundir import set_aside
 
 __all__ = [
@@ -108,9 +111,14 @@ class EventLog:
         as long as :meth:`close` is called. There is no time limit on that: the writes go to
         the run folder, where ``summary.json`` is written next, so a disk too slow for one
         would hold up the other anyway.
+
+        A write the disk refuses (it is full) drops its batch, counted as dropped: it is said
+        once, the log is cut back to its last whole line, and later batches try again. The run
+        goes on either way.
         """
+        sink = _Appender(self.path)
         try:
-            with trio.CancelScope(shield=True), self.path.open("a", encoding="utf-8") as sink:
+            with trio.CancelScope(shield=True):
                 async with self._receive:
                     async for first in self._receive:
                         batch = [first]
@@ -119,18 +127,54 @@ class EventLog:
                                 batch.append(self._receive.receive_nowait())
                             except (trio.WouldBlock, trio.EndOfChannel):
                                 break
-                        await trio.to_thread.run_sync(_write, sink, batch)
-                        self.written += len(batch)
+                        if await trio.to_thread.run_sync(sink.append, batch):
+                            self.written += len(batch)
+                        else:
+                            self.dropped += len(batch)
                 if self.dropped:
                     tail = {"v": SCHEMA_VERSION, "kind": "EventsDropped", "count": self.dropped}
-                    _write(sink, [tail])
+                    sink.append([tail])
         finally:
+            sink.close()
             self.finished.set()
 
 
-def _write(sink: TextIO, records: list[dict[str, Any]]) -> None:
-    sink.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
-    sink.flush()
+class _Appender:
+    """Appends whole lines to the log, never raising: a write that fails (a full disk) is
+    said once until one succeeds again, and the file is cut back to its last whole line, so
+    that a reader never meets half a record in the middle of the log."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._sink: TextIO | None = None
+        self._failing = False
+
+    def append(self, records: list[dict[str, Any]]) -> bool:
+        """Write ``records``; False when the disk refused them (none is then in the log)."""
+        good = None
+        try:
+            if self._sink is None:
+                self._sink = self.path.open("a", encoding="utf-8")
+            good = self._sink.tell()
+            self._sink.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+            self._sink.flush()
+        except OSError as err:
+            if not self._failing:
+                say(f"flodl: {self.path} cannot be written ({err}); its events are dropped")
+            self._failing = True
+            self.close()
+            if good is not None:
+                with contextlib.suppress(OSError):
+                    os.truncate(self.path, good)
+            return False
+        self._failing = False
+        return True
+
+    def close(self) -> None:
+        if self._sink is not None:
+            with contextlib.suppress(OSError):  # what it still buffered was refused
+                self._sink.close()
+            self._sink = None
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

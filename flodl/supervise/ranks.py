@@ -17,6 +17,7 @@ import subprocess
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import attrs
 import trio
@@ -148,12 +149,13 @@ class RankStarter:
 
 async def relay_output(rank: int, stream: trio.abc.ReceiveStream, echo: bool, log: Path) -> None:
     """Copy a rank's output to its log file and, prefixed, to our stdout (until a reader of
-    ours is gone: the log still gets everything)."""
+    ours is gone: the log still gets everything), to the end of the stream: the rank never
+    blocks on a full pipe. A log that cannot be written (a full disk) is said once and tried
+    again with each later chunk; what it missed meanwhile went to stdout only."""
     pending = b""
-    with log.open("ab") as sink:
+    with _RankLog(rank, log) as sink:
         async for chunk in stream:
             sink.write(chunk)
-            sink.flush()
             if not echo:
                 continue
             pending += chunk
@@ -162,6 +164,41 @@ async def relay_output(rank: int, stream: trio.abc.ReceiveStream, echo: bool, lo
                 echo = echo and say(f"[rank {rank}] {line.decode(errors='replace')}")
         if echo and pending:
             say(f"[rank {rank}] {pending.decode(errors='replace')}")
+
+
+class _RankLog:
+    """A rank's log file, appended to; a write that fails is said once (until one succeeds
+    again), never raised: the rank's output must go on being read whatever the disk does."""
+
+    def __init__(self, rank: int, path: Path) -> None:
+        self._rank, self._path = rank, path
+        self._file: BinaryIO | None = None
+        self._failing = False
+
+    def __enter__(self) -> _RankLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+
+    def write(self, chunk: bytes | bytearray) -> None:
+        try:
+            if self._file is None:
+                self._file = self._path.open("ab")
+            self._file.write(chunk)
+            self._file.flush()
+        except OSError as err:
+            if not self._failing:
+                say(f"flodl: rank {self._rank}'s log {self._path} cannot be written ({err})")
+            self._failing = True
+            if self._file is not None:  # what it buffered is lost: start afresh next time
+                with contextlib.suppress(OSError):
+                    self._file.close()
+                self._file = None
+        else:
+            self._failing = False
 
 
 async def supervise_rank(

@@ -16,11 +16,11 @@ import hashlib
 import json
 import logging
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flodl.checkpoint.files import write_atomically
 from flodl.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -49,11 +49,10 @@ def _jsonable(value: Any) -> Any:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` as JSON; readers see the old file or the whole new one."""
+    """Write ``data`` to ``path`` as JSON; readers see the old file or the whole new one, and a
+    write that fails (a full disk) leaves no temporary file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(_jsonable(data), indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(_jsonable(data), indent=2, sort_keys=True).encode())
 
 
 def record_death(
