@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +35,7 @@ import attrs
 
 from flodl.checkpoint.files import write_atomically
 from flodl.core.coordinator.timeline import EventKind
+from flodl.launch.tracebacks import read_tail, traceback_tail, tracebacks
 from flodl.supervise.exits import ExitFact, ExitLog, describe_exit, signal_name
 
 if TYPE_CHECKING:
@@ -45,103 +45,24 @@ if TYPE_CHECKING:
 
 __all__ = [
     "add_failure_report",
-    "did_its_work",
     "coordinator_summary",
+    "did_its_work",
     "print_root_cause",
-    "traceback_tail",
     "write_summary",
 ]
 
-TAIL_LINES = 15
-"""Lines of a rank's last traceback kept in ``root_cause.traceback_tail``."""
-LOG_READ_BYTES = 256 * 1024
-"""Only the end of a rank's log is read for its traceback."""
-TRACEBACK_HEADER = "Traceback (most recent call last):"
 _CONSEQUENCES = ("ShutdownRequested", "CoordinatorError")
 """Errors a rank raises because of its coordinator (it stopped the run, or the rank gave up on
 it: silent, gone, never there): never a root cause."""
 _CONSEQUENT_EXITS = ("shutdown", "coordinator_lost")
 """How a rank's report says it ended because of the coordinator: it stopped the run, or the rank
 gave up on it (its silence is the cause, not the rank)."""
-_PIPE = re.compile(r"^(?:\s*[|+][ -]*)+")
-"""The ``  | `` and ``  +-+---`` margins of an exception group's traceback."""
 
 
 def iso_time(unix: float) -> str:
     """``unix`` as UTC ISO 8601 to the millisecond, ``Z``-suffixed."""
     moment = datetime.datetime.fromtimestamp(unix, tz=datetime.UTC)
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _read_tail(path: Path) -> str:
-    try:
-        with path.open("rb") as handle:
-            handle.seek(0, 2)
-            size = handle.tell()
-            handle.seek(max(size - LOG_READ_BYTES, 0))
-            return handle.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def traceback_tail(text: str, lines: int = TAIL_LINES) -> tuple[str, list[str]] | None:
-    """The last Python traceback in ``text``: its exception line and its last ``lines`` lines
-    (header to exception line). None when ``text`` holds no traceback.
-
-    A chained traceback ("During handling of the above exception ...") is one block: its
-    exception line is the last one, the exception the process died of. Exception groups'
-    ``|`` margins are ignored when looking for the exception line.
-    """
-    rows = text.splitlines()
-    found = _last_traceback(rows)
-    if found is None:
-        return None
-    first, end = found
-    return _PIPE.sub("", rows[end]).strip(), rows[first : end + 1][-lines:]
-
-
-def tracebacks(text: str, lines: int = TAIL_LINES) -> list[tuple[str, list[str]]]:
-    """Every Python traceback in ``text``, oldest first, each as :func:`traceback_tail` gives
-    the last (a rank's log holds one per life that raised: it goes on across restarts)."""
-    rows = text.splitlines()
-    found: list[tuple[str, list[str]]] = []
-    while (block := _last_traceback(rows)) is not None:
-        first, end = block
-        found.append((_PIPE.sub("", rows[end]).strip(), rows[first : end + 1][-lines:]))
-        rows = rows[:first]
-    return found[::-1]
-
-
-def _last_traceback(rows: Sequence[str]) -> tuple[int, int] | None:
-    """The first and last row of the last traceback in ``rows`` (:func:`traceback_tail`)."""
-    starts = [i for i, row in enumerate(rows) if _PIPE.sub("", row).strip() == TRACEBACK_HEADER]
-    if not starts:
-        return None
-    # The block the last header belongs to starts at the first header of its chain.
-    first = starts[-1]
-    for start in reversed(starts[:-1]):
-        between = rows[start:first]
-        if not any(_is_chain_line(row) for row in between):
-            break
-        first = start
-    end = None
-    for i in range(starts[-1] + 1, len(rows)):
-        bare = _PIPE.sub("", rows[i])
-        if bare and not bare[0].isspace() and not _is_chain_line(rows[i]):
-            end = i
-            if not rows[i].lstrip().startswith(("|", "+")):
-                break
-    return None if end is None else (first, end)
-
-
-def _is_chain_line(row: str) -> bool:
-    bare = _PIPE.sub("", row).strip()
-    return bare.startswith(
-        (
-            "During handling of the above exception",
-            "The above exception was the direct cause",
-        )
-    )
 
 
 def _is_consequence(error: str | None, exit_reason: Any) -> bool:
@@ -190,7 +111,7 @@ def _rank_failures(
     log = run_dir / f"rank{rank}.log"
     written = _mtime(log)  # the traceback was the last thing written
     failed = [i for i, fact in enumerate(facts) if fact.returncode != 0]
-    raised = tracebacks(_read_tail(log))
+    raised = tracebacks(read_tail(log))
     if not raised and isinstance(exit_reason, str) and exit_reason.startswith("error: "):
         raised = [(exit_reason.removeprefix("error: "), [])]
         written = _mtime(run_dir / f"rank{rank}.json")  # written as the error left join()

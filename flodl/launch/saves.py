@@ -167,8 +167,10 @@ def _final_bundles(
 ) -> SaveAccount:
     """A completed run's account: the final bundle (the trained model, at the run's last global
     step) of each rank it ended with. The message names the ranks that did not save it, with
-    the error each reported."""
-    lost = record.lost_ranks()
+    the error each reported. A run that never trained (a script that does not join flodl) owes
+    none."""
+    trained = bool(record.timeline.of_kind(EventKind.TRAINING_STARTED))
+    owed = set(record.members) - record.lost_ranks() if trained else set()
     errors = {
         int(e.detail["rank"]): str(e.detail["error"])
         for e in record.timeline.of_kind(EventKind.CHECKPOINT_SAVED)
@@ -181,7 +183,7 @@ def _final_bundles(
             run_dir, item.rank, item.started_unix, SaveReason.CHECKPOINT.name, record.global_step
         )
         bundles[item.rank] = None if path is None else str(path)
-        if path is None and item.rank not in lost:
+        if path is None and item.rank in owed:
             missing[item.rank] = errors.get(item.rank, "no final bundle written")
     if missing:
         saved = sorted(r for r, b in bundles.items() if b is not None)

@@ -176,6 +176,7 @@ class _RankLog:
         self._failing = False
 
     def __enter__(self) -> _RankLog:
+        self._open()  # now, not at the first output: a rank's log is open while it runs
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -184,21 +185,33 @@ class _RankLog:
                 self._file.close()
 
     def write(self, chunk: bytes | bytearray) -> None:
+        if self._file is None and not self._open():
+            return
+        assert self._file is not None
         try:
-            if self._file is None:
-                self._file = self._path.open("ab")
             self._file.write(chunk)
             self._file.flush()
         except OSError as err:
-            if not self._failing:
-                say(f"flodl: rank {self._rank}'s log {self._path} cannot be written ({err})")
-            self._failing = True
-            if self._file is not None:  # what it buffered is lost: start afresh next time
-                with contextlib.suppress(OSError):
-                    self._file.close()
-                self._file = None
+            self._refused(err)
         else:
             self._failing = False
+
+    def _open(self) -> bool:
+        try:
+            self._file = self._path.open("ab")
+        except OSError as err:
+            self._refused(err)
+            return False
+        return True
+
+    def _refused(self, err: OSError) -> None:
+        if not self._failing:
+            say(f"flodl: rank {self._rank}'s log {self._path} cannot be written ({err})")
+        self._failing = True
+        if self._file is not None:  # what it buffered is lost: start afresh next time
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
 
 
 async def supervise_rank(

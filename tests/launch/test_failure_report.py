@@ -22,9 +22,8 @@ from flodl.launch.failure_report import (
     add_failure_report,
     coordinator_summary,
     print_root_cause,
-    traceback_tail,
-    tracebacks,
 )
+from flodl.launch.tracebacks import traceback_tail, tracebacks
 from flodl.supervise.exits import ExitLog, describe_exit, exit_text, signal_name
 from flodl.wire.messages import RankExited, SaveReason
 

@@ -31,6 +31,7 @@ class Record:
     global_step: int = 100
     timeline: Timeline = attrs.field(factory=Timeline)
     lost: frozenset[int] = frozenset()
+    members: tuple[int, ...] = (0, 1)
     stats: list[Any] = attrs.field(factory=list)
     """Per rank, when it joined and was lost (``joined_at``, ``lost_at``)."""
 
@@ -69,8 +70,15 @@ def account(record: Record, run_dir: Path, ranks: int = 2) -> Any:
     return account_saves(record, spawned, run_dir, StopSignals())  # type: ignore[arg-type]
 
 
+def completed(**fields: Any) -> Record:
+    """A completed run that trained (its group formed)."""
+    record = Record(Outcome(Status.COMPLETED, None, "all epochs done"), **fields)
+    record.timeline.add(0.5, EventKind.TRAINING_STARTED, members=list(record.members))
+    return record
+
+
 def test_a_completed_run_names_the_rank_whose_final_save_failed(tmp_path: Path) -> None:
-    record = Record(Outcome(Status.COMPLETED, None, "all epochs done"))
+    record = completed()
     kept = save(tmp_path, 0, 100, SaveReason.CHECKPOINT.name)
     save(tmp_path, 1, 60, SaveReason.CHECKPOINT.name)  # an older periodic bundle only
     record.timeline.add(9.0, EventKind.CHECKPOINT_SAVED, rank=1, version=3, error=FULL_DISK)
@@ -86,7 +94,7 @@ def test_a_completed_run_names_the_rank_whose_final_save_failed(tmp_path: Path) 
 def test_a_completed_run_whose_final_bundle_no_rank_saved_did_not_do_its_work(
     tmp_path: Path,
 ) -> None:
-    record = Record(Outcome(Status.COMPLETED, None, "all epochs done"))
+    record = completed()
     saves = account(record, tmp_path)
     assert saves.missing == {0: "no final bundle written", 1: "no final bundle written"}
     assert "saved by no rank: the model is lost" in saves.message
@@ -94,13 +102,17 @@ def test_a_completed_run_whose_final_bundle_no_rank_saved_did_not_do_its_work(
     assert not run_succeeded(summary)
 
 
-def test_a_lost_rank_owes_no_final_bundle_and_a_clean_run_says_nothing_more(
+def test_only_the_group_at_the_end_of_a_run_that_trained_owes_a_final_bundle(
     tmp_path: Path,
 ) -> None:
-    record = Record(Outcome(Status.COMPLETED, None, "all epochs done"), lost=frozenset({1}))
     save(tmp_path, 0, 100, SaveReason.CHECKPOINT.name)
-    saves = account(record, tmp_path)
+    # Rank 1 was lost; rank 2 came back as the run ended, too late to be in its group.
+    record = completed(lost=frozenset({1}), members=(0, 1))
+    saves = account(record, tmp_path, ranks=3)
     assert saves.missing == {} and saves.message == "all epochs done"
+    # A script that never joined flodl: nothing trained, nothing owed.
+    plain = Record(Outcome(Status.COMPLETED, None, "every rank exited 0"))
+    assert account(plain, tmp_path / "plain").missing == {}
 
 
 def test_a_bundle_saved_on_losing_the_coordinator_counts_as_saved(tmp_path: Path) -> None:

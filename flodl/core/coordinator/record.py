@@ -72,6 +72,12 @@ class RunRecord(Protocol):
         """Ranks declared dead that did not join again since."""
         ...
 
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks in the group (at the end, once the run finished: those that saved its
+        final bundles)."""
+        ...
+
     def checkpoint_meta(self) -> dict[str, Any]:
         """The coordinator's part of a checkpoint."""
         ...
