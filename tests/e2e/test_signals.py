@@ -284,7 +284,9 @@ def test_a_launcher_paused_past_the_heartbeat_timeout_names_the_pause_and_the_sa
     assert cause["error"].startswith("the coordinator did not run for "), cause
     assert "the ranks gave up on it" in launcher.output  # the pause's line, as it was noticed
     assert "(ranks 0, 1 on losing the coordinator)" in launcher.output
-    assert "rank 0 gave up on its coordinator at " in launcher.output
+    # The ranks lost first (one or both, as the coordinator noticed them on waking) are named
+    # for what they did, not for their long CoordinatorError.
+    assert " gave up on its coordinator at " in launcher.output
     launcher.assert_no_process_left()
 
 
