@@ -30,6 +30,7 @@ import trio
 from flodl.agent.host_ranks import HostRanks, silenced_ranks
 from flodl.checkpoint.resume import ResumePlan, plan_resume, save_coordinator_meta
 from flodl.coordinator.server import open_coordinator
+from flodl.core.coordinator.timeline import EventKind
 from flodl.host.console import say
 from flodl.host.environment import RankEnv, rank_process_environment, write_session_key
 from flodl.host.rundir import claim_run_dir, set_aside
@@ -183,8 +184,12 @@ async def _launch(
         summary["wall_s"] = time.time() - started_unix
         summary["run_dir"] = str(run_dir)
         summary["events"] = str(run_dir / EVENTS_NAME)
+        record = coordinator.record
         try:
-            save_coordinator_meta(run_dir, coordinator.record.checkpoint_meta())
+            # Only a run that trained has state of its own: one that never started (refused,
+            # every rank dead before joining) must leave a resumed run's state as it was.
+            if record.timeline.of_kind(EventKind.TRAINING_STARTED):
+                save_coordinator_meta(run_dir, record.checkpoint_meta())
         except OSError as err:  # a full disk: the ranks' bundles are what --resume needs most
             say(f"flodl: the coordinator's state for --resume not written ({err})")
         if plan is not None:

@@ -16,6 +16,7 @@ from flodl.config import CoordinatorConfig
 from flodl.core.coordinator.effects import Broadcast, Send
 from flodl.core.coordinator.ending import Ending
 from flodl.core.coordinator.machine import CoordinatorMachine, Disconnect, Effect, RunPhase, Status
+from flodl.core.coordinator.rounds import ResumeState
 from flodl.core.coordinator.timeline import EventKind
 from flodl.wire.messages import Abort, Ready, RequestNewGroup, Shutdown
 
@@ -159,6 +160,23 @@ def test_a_refused_rank_is_disconnected_with_the_reason() -> None:
     (refused,) = m.on_message(1, ready(1, batch_size=4), 1.0)
     assert isinstance(refused, Disconnect) and refused.rank == 1
     assert refused.reason.startswith("rank 1 describes job Job(")
+
+
+def test_a_run_resumed_past_the_epochs_its_ranks_train_refuses_them_with_why() -> None:
+    """--resume of a run that had reached epoch 3, by a script that now trains 1 epoch: each
+    rank is refused with the reason, before any group forms (the workload could not be built)."""
+    m = CoordinatorMachine(2, SETTINGS, now=0.0, resume=ResumeState(epoch=3))
+    m.on_connect(0, 1.0)
+    (refused,) = m.on_message(0, ready(0), 1.0)
+    assert isinstance(refused, Disconnect) and refused.rank == 0
+    assert refused.reason == (
+        "rank 0 described a job that cannot run: it trains 1 epochs, and the run it resumes "
+        "had reached epoch 3 (resume with at least that many epochs)"
+    )
+    assert phase(m) is RunPhase.JOINING
+    # Resuming at the very end is no error: nothing is left to train, and the run ends.
+    done = CoordinatorMachine(1, SETTINGS, now=0.0, resume=ResumeState(epoch=1))
+    assert not any(isinstance(e, Disconnect) for e in join(done, 0))
 
 
 TIMED_OUT = "ranks [1] did not join within the join timeout (5 s)"

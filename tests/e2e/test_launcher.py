@@ -11,6 +11,7 @@ from pathlib import Path
 
 from flodl.launch.config import LaunchConfig
 from flodl.launch.launcher import launch
+from tests.worker.procs import DIGITS
 
 CRASH_AT_START = "import sys\nprint('starting')\nsys.exit(3)\n"
 
@@ -173,3 +174,27 @@ def test_a_second_launcher_is_kept_out_of_a_folder_in_use(tmp_path: Path) -> Non
             first.kill()
         first.wait()
     assert json.loads((run_dir / "summary.json").read_text())["ranks"][0]["exit_code"] == 0
+
+
+def test_a_resume_with_fewer_epochs_is_refused_and_leaves_the_runs_state(tmp_path: Path) -> None:
+    """--resume of a run that trained 2 epochs by a script that now asks for 1: every rank is
+    refused with the reason, and the run folder's coordinator state (what the next --resume
+    reads) is left as the run that trained wrote it."""
+    run_dir = tmp_path / "run"
+
+    def flodl_run(epochs: int, *flags: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "flodl.cli", "run", "--nproc", "2", "--no-live"]
+        command += ["--run-dir", str(run_dir), *flags, str(DIGITS), "--epochs", str(epochs)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    trained = flodl_run(2)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    state = run_dir / "checkpoints" / "coordinator.meta.json"
+    written = state.read_bytes()
+    assert json.loads(written)["epoch"] == 2
+    refused = flodl_run(1, "--resume", str(run_dir))
+    assert refused.returncode == 1, refused.stdout
+    why = "it trains 1 epochs, and the run it resumes had reached epoch 2"
+    assert why in refused.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+    assert state.read_bytes() == written  # a run that never trained wrote no state of its own

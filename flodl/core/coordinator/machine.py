@@ -126,10 +126,10 @@ class CoordinatorMachine:
         self.rendezvous = Rendezvous(
             world_size, local_ranks=local_ranks, retry_timeout=timeouts.rendezvous_retry
         )
-        self.membership = Membership(world_size, join_deadline=now + timeouts.join)
-        self.rounds = Rounds(
-            settings, self.timeline, self.membership, self.liveness, resume or ResumeState()
-        )
+        resume = resume or ResumeState()
+        join_deadline = now + timeouts.join
+        self.membership = Membership(world_size, join_deadline, first_epoch=resume.epoch)
+        self.rounds = Rounds(settings, self.timeline, self.membership, self.liveness, resume)
         self.cycle = self.rounds.cycle
         self.pacing = self.rounds.pacing
         self.ending = Ending(settings, self.timeline, self.cycle, self.liveness)

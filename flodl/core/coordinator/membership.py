@@ -30,8 +30,10 @@ class Membership:
     ``join_deadline``: when the world must have joined (None once it has).
     """
 
-    def __init__(self, world_size: int, *, join_deadline: float) -> None:
+    def __init__(self, world_size: int, join_deadline: float, *, first_epoch: int = 0) -> None:
         self.world_size = world_size
+        self.first_epoch = first_epoch
+        """The epoch the run starts at (a resumed run's; 0 for a fresh one)."""
         self.join_deadline: float | None = join_deadline
         self.job: Job | None = None
         self.members: tuple[int, ...] = ()
@@ -53,6 +55,11 @@ class Membership:
         """``rank`` is ready while the world joins; why it is refused, or None."""
         job = Job(ready.dataset_size, ready.batch_size, ready.epochs)
         problem = job.problem()
+        if problem is None and job.epochs < self.first_epoch:
+            problem = (
+                f"it trains {job.epochs} epochs, and the run it resumes had reached epoch "
+                f"{self.first_epoch} (resume with at least that many epochs)"
+            )
         if problem is not None:
             return f"rank {rank} described a job that cannot run: {problem}"
         if self.job is None:
