@@ -14,18 +14,16 @@ run), events are dropped and counted, and the log's last line says how many.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import trio
 
 from flodl.core.coordinator.timeline import TimelineEvent
-from flodl.host.console import say
+from flodl.host.appender import Appender
 from flodl.host.rundir import set_aside
 
 __all__ = [
@@ -116,7 +114,7 @@ class EventLog:
         once, the log is cut back to its last whole line, and later batches try again. The run
         goes on either way.
         """
-        sink = _Appender(self.path)
+        sink = Appender(self.path, str(self.path), "; its events are dropped")
         try:
             with trio.CancelScope(shield=True):
                 async with self._receive:
@@ -127,54 +125,21 @@ class EventLog:
                                 batch.append(self._receive.receive_nowait())
                             except (trio.WouldBlock, trio.EndOfChannel):
                                 break
-                        if await trio.to_thread.run_sync(sink.append, batch):
+                        if await trio.to_thread.run_sync(sink.append, _lines(batch)):
                             self.written += len(batch)
                         else:
                             self.dropped += len(batch)
                 if self.dropped:
                     tail = {"v": SCHEMA_VERSION, "kind": "EventsDropped", "count": self.dropped}
-                    sink.append([tail])
+                    sink.append(_lines([tail]))
         finally:
             sink.close()
             self.finished.set()
 
 
-class _Appender:
-    """Appends whole lines to the log, never raising: a write that fails (a full disk) is
-    said once until one succeeds again, and the file is cut back to its last whole line, so
-    that a reader never meets half a record in the middle of the log."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._sink: TextIO | None = None
-        self._failing = False
-
-    def append(self, records: list[dict[str, Any]]) -> bool:
-        """Write ``records``; False when the disk refused them (none is then in the log)."""
-        good = None
-        try:
-            if self._sink is None:
-                self._sink = self.path.open("a", encoding="utf-8")
-            good = self._sink.tell()
-            self._sink.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
-            self._sink.flush()
-        except OSError as err:
-            if not self._failing:
-                say(f"flodl: {self.path} cannot be written ({err}); its events are dropped")
-            self._failing = True
-            self.close()
-            if good is not None:
-                with contextlib.suppress(OSError):
-                    os.truncate(self.path, good)
-            return False
-        self._failing = False
-        return True
-
-    def close(self) -> None:
-        if self._sink is not None:
-            with contextlib.suppress(OSError):  # what it still buffered was refused
-                self._sink.close()
-            self._sink = None
+def _lines(records: list[dict[str, Any]]) -> bytes:
+    """``records`` as the log's lines, one JSON object each."""
+    return "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

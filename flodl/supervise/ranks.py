@@ -17,11 +17,11 @@ import subprocess
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
-from typing import BinaryIO
 
 import attrs
 import trio
 
+from flodl.host.appender import Appender
 from flodl.host.console import say
 from flodl.supervise.exits import ExitLog, ExitSink, RankExit
 from flodl.supervise.warm import RankHandle, WarmStarter, WarmStartError
@@ -153,9 +153,11 @@ async def relay_output(rank: int, stream: trio.abc.ReceiveStream, echo: bool, lo
     blocks on a full pipe. A log that cannot be written (a full disk) is said once and tried
     again with each later chunk; what it missed meanwhile went to stdout only."""
     pending = b""
-    with _RankLog(rank, log) as sink:
+    sink = Appender(log, f"rank {rank}'s log {log}")
+    sink.open()  # now, not at the first output: a rank's log is open while it runs
+    try:
         async for chunk in stream:
-            sink.write(chunk)
+            sink.append(chunk)
             if not echo:
                 continue
             pending += chunk
@@ -164,54 +166,8 @@ async def relay_output(rank: int, stream: trio.abc.ReceiveStream, echo: bool, lo
                 echo = echo and say(f"[rank {rank}] {line.decode(errors='replace')}")
         if echo and pending:
             say(f"[rank {rank}] {pending.decode(errors='replace')}")
-
-
-class _RankLog:
-    """A rank's log file, appended to; a write that fails is said once (until one succeeds
-    again), never raised: the rank's output must go on being read whatever the disk does."""
-
-    def __init__(self, rank: int, path: Path) -> None:
-        self._rank, self._path = rank, path
-        self._file: BinaryIO | None = None
-        self._failing = False
-
-    def __enter__(self) -> _RankLog:
-        self._open()  # now, not at the first output: a rank's log is open while it runs
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._file is not None:
-            with contextlib.suppress(OSError):
-                self._file.close()
-
-    def write(self, chunk: bytes | bytearray) -> None:
-        if self._file is None and not self._open():
-            return
-        assert self._file is not None
-        try:
-            self._file.write(chunk)
-            self._file.flush()
-        except OSError as err:
-            self._refused(err)
-        else:
-            self._failing = False
-
-    def _open(self) -> bool:
-        try:
-            self._file = self._path.open("ab")
-        except OSError as err:
-            self._refused(err)
-            return False
-        return True
-
-    def _refused(self, err: OSError) -> None:
-        if not self._failing:
-            say(f"flodl: rank {self._rank}'s log {self._path} cannot be written ({err})")
-        self._failing = True
-        if self._file is not None:  # what it buffered is lost: start afresh next time
-            with contextlib.suppress(OSError):
-                self._file.close()
-            self._file = None
+    finally:
+        sink.close()
 
 
 async def supervise_rank(

@@ -12,7 +12,8 @@ import trio
 import trio.testing
 
 from flodl.core.coordinator.timeline import EventKind, TimelineEvent
-from flodl.observe.events import EventLog, _Appender, read_events
+from flodl.host.appender import Appender
+from flodl.observe.events import EventLog, read_events
 from flodl.supervise.ranks import relay_output
 
 
@@ -29,18 +30,18 @@ async def test_the_event_log_drops_what_it_cannot_write_and_the_run_goes_on(
     assert capsys.readouterr().out.count("cannot be written") == 1
 
 
-def test_the_event_log_writes_again_once_it_can(
+def test_an_appender_writes_again_once_it_can(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     folder = tmp_path / "gone"
-    appender = _Appender(folder / "events.jsonl")
-    assert not appender.append([{"kind": "SyncStart", "seq": 0}])
-    assert not appender.append([{"kind": "SyncEnd", "seq": 1}])
+    appender = Appender(folder / "events.jsonl", "the event log")
+    assert not appender.append(b'{"kind": "SyncStart", "seq": 0}\n')
+    assert not appender.append(b'{"kind": "SyncEnd", "seq": 1}\n')
     folder.mkdir()  # the disk takes writes again
-    assert appender.append([{"kind": "SyncStart", "seq": 2}])
+    assert appender.append(b'{"kind": "SyncStart", "seq": 2}\n')
     appender.close()
     assert read_events(folder / "events.jsonl") == [{"kind": "SyncStart", "seq": 2}]
-    assert capsys.readouterr().out.count("cannot be written") == 1  # once, not per batch
+    assert capsys.readouterr().out.count("cannot be written") == 1  # once, not per write
 
 
 async def test_a_ranks_output_is_read_to_the_end_whatever_its_log_does(
